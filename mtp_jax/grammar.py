@@ -34,12 +34,11 @@ import numpy as np
 import outlines_core
 from outlines_core.json_schema import build_regex_from_schema
 
+from mtp_jax.data import VOCAB_SIZE
+
 FREE = -1
 DONE = 0
 START = 1
-
-BYTE_BOS_ID = 256
-BYTE_EOS_ID = 257
 
 _DENSE_MAX_ENTRIES = 2**24
 
@@ -158,8 +157,11 @@ def no_allowed_token(mask_BxV: jax.Array) -> jax.Array:
 
 
 def byte_vocab() -> list[bytes | None]:
-  """The byte tokenizer's vocabulary: ids 0..255 single bytes, BYTE_BOS_ID, BYTE_EOS_ID."""
-  return [bytes([b]) for b in range(256)] + [None, None]
+  """The byte tokenizer's vocabulary (mtp_jax.data), V = 258: ids 0..255 are single bytes.
+
+  BOS_ID and EOS_ID are None (never text); build with eos_token_id=mtp_jax.data.EOS_ID.
+  """
+  return [bytes([b]) for b in range(256)] + [None] * (VOCAB_SIZE - 256)
 
 
 def from_regex(pattern: str, vocab: Sequence[bytes | None], *, eos_token_id: int,
