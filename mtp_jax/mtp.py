@@ -1,0 +1,154 @@
+"""The MTP modules (DeepSeek-V3 layout, dense blocks), their state dicts and a cache-free chain forward.
+
+Module m (0-based i = m - 1), row j:
+    x = eh_proj(concat(enorm(E[t_{j+m}]), hnorm(h^{m-1}_j)))
+    h^m_j = Block(x)            # RoPE position j + m
+    logits^m_j = lm_head(shared_head_norm(h^m_j))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mtp_jax.config import MtpConfig
+from mtp_jax.layers import Block, KVCache, Linear, RMSNorm, module_state_dict
+
+
+class Embed(nnx.Module):
+  """Token embedding; weight float[V, D]."""
+
+  def __init__(self, vocab_size: int, dim: int, *, dtype, rngs: nnx.Rngs):
+    self.weight = nnx.Param(jax.random.normal(rngs.params(), (vocab_size, dim), jnp.float32).astype(dtype))
+
+  def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
+    return jnp.take(self.weight[...], tokens_BxT, axis=0)
+
+
+class MtpModule(nnx.Module):
+  """One MTP depth: enorm / hnorm, eh_proj, a Block with its own KV cache, shared_head norm."""
+
+  def __init__(self, cfg: MtpConfig, *, rngs: nnx.Rngs):
+    d, dt, eps = cfg.hidden_size, cfg.jnp_dtype, cfg.rms_norm_eps
+    self.enorm = RMSNorm(d, eps=eps, dtype=dt)
+    self.hnorm = RMSNorm(d, eps=eps, dtype=dt)
+    self.eh_proj = Linear(2 * d, d, dtype=dt, rngs=rngs)
+    self.block = Block(cfg.block_config(), rngs=rngs)
+    self.shared_head_norm = RMSNorm(d, eps=eps, dtype=dt)
+
+  def __call__(self, emb_BxTxD, h_BxTxD, rows_BxT, valid_BxT, cache: KVCache | None, rope_offset: int):
+    """Returns (h^m dtype[B, T, D] before the head norm, new cache)."""
+    x = self.eh_proj(jnp.concatenate([self.enorm(emb_BxTxD), self.hnorm(h_BxTxD)], axis=-1))
+    return self.block(x, rows_BxT, valid_BxT, cache, rope_offset)
+
+
+class MtpModel(nnx.Module):
+  """K chained MTP modules plus the embedding and LM head they share with the target.
+
+  Pass it as `params` to `propose`; it is a pytree (an NNX module), so it goes through
+  `jax.jit` as an argument and the config rides along as static data.
+  """
+
+  def __init__(self, cfg: MtpConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype, rngs=rngs)
+    self.layers = nnx.List([MtpModule(cfg, rngs=rngs) for _ in range(cfg.num_modules)])
+    self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.jnp_dtype, rngs=rngs)
+
+  def next_hidden(self, i: int, h_BxTxD: jax.Array) -> jax.Array:
+    """What module i hands to module i + 1: its residual stream, or the normed one if configured."""
+    return self.layers[i].shared_head_norm(h_BxTxD) if self.cfg.pass_normed_hidden else h_BxTxD
+
+  def logits(self, i: int, h_BxTxD: jax.Array) -> jax.Array:
+    """float32[..., V] logits of module i from its hidden h^{i+1}."""
+    return self.lm_head(self.layers[i].shared_head_norm(h_BxTxD)).astype(jnp.float32)
+
+
+def init_mtp(cfg: MtpConfig, seed: int = 0) -> MtpModel:
+  """Randomly initialised MTP modules (the same kind of object `load_state_dict` returns)."""
+  return MtpModel(cfg, rngs=nnx.Rngs(seed))
+
+
+def _canonical(name: str) -> str:
+  """NNX path 'layers.0.block.mlp.up_proj.weight' -> canonical 'mtp.0.mlp.up_proj.weight'."""
+  if not name.startswith("layers."):
+    return name
+  _, i, rest = name.split(".", 2)
+  rest = rest.removeprefix("block.")
+  if rest.startswith("shared_head_norm."):
+    rest = "shared_head.norm." + rest[len("shared_head_norm."):]
+  return f"mtp.{i}.{rest}"
+
+
+def state_dict(model: MtpModel) -> dict[str, jax.Array]:
+  """Canonical names -> arrays (torch Linear layout); the inverse of `load_state_dict`."""
+  return {_canonical(k): v for k, v in module_state_dict(model, "").items()}
+
+
+def assign_state_dict(model: nnx.Module, names: dict[str, tuple], tensors: Mapping, dtype, what: str):
+  """Copies tensors into model params by canonical name; errors name the tensor and the expectation."""
+  missing = [n for n in names if n not in tensors]
+  if missing:
+    raise KeyError(f"{what}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
+  unexpected = sorted(set(tensors) - set(names))
+  if unexpected:
+    raise KeyError(f"{what}: unexpected tensor(s) {unexpected[:5]} (expected names like {next(iter(names))!r})")
+  flat = dict(nnx.to_flat_state(nnx.state(model, nnx.Param)))
+  for name, (path, shape) in names.items():
+    value = np.asarray(tensors[name])
+    if value.shape != shape:
+      raise ValueError(f"{what}: tensor {name!r} has shape {value.shape}, expected {shape}")
+    if not np.all(np.isfinite(value.astype(np.float32))):
+      raise ValueError(f"{what}: tensor {name!r} contains NaN or inf")
+    flat[path][...] = jnp.asarray(value, dtype)
+  return model
+
+
+def param_names(model: nnx.Module, canonical) -> dict[str, tuple]:
+  """canonical name -> (NNX path, shape) for every param of model."""
+  return {canonical(".".join(str(p) for p in path)): (path, tuple(param.shape))
+          for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def load_state_dict(cfg: MtpConfig, tensors: Mapping) -> MtpModel:
+  """Builds an MtpModel from canonical names (see `state_dict`); arrays may be numpy or jax.
+
+  Names: mtp.{i}.{enorm,hnorm}.weight [D], mtp.{i}.eh_proj.weight [D, 2D],
+  mtp.{i}.input_layernorm.weight, mtp.{i}.self_attn.{q,k,v,o}_proj.weight (+ .bias for q, k, v
+  when cfg.attention_bias), mtp.{i}.post_attention_layernorm.weight, mtp.{i}.mlp.{gate,up,down}_proj.weight,
+  mtp.{i}.shared_head.norm.weight, embed_tokens.weight [V, D], lm_head.weight [V, D].
+  """
+  model = init_mtp(cfg)
+  return assign_state_dict(model, param_names(model, _canonical), tensors, cfg.jnp_dtype, "load_state_dict")
+
+
+def forward_chain(model: MtpModel, hiddens_BxTxD: jax.Array, tokens_BxU: jax.Array,
+                  num_modules: int | None = None) -> jax.Array:
+  """Cache-free forward of the chain over whole sequences (training and reference).
+
+  Args:
+    hiddens_BxTxD: float[B, T, D] target hiddens h^0_j at rows j = 0..T-1.
+    tokens_BxU: int32[B, U], U >= T + K - 1: tokens_BxU[:, u] = t_{u+1}; module m row j reads
+      t_{j+m} = tokens_BxU[:, j + m - 1].
+    num_modules: run only the first modules (default all K).
+  Returns:
+    float32[K, B, T, V]: row j of module m predicts t_{j+m+1}.
+  """
+  b, t, _ = hiddens_BxTxD.shape
+  k = num_modules or model.cfg.num_modules
+  if tokens_BxU.shape[1] < t + k - 1:
+    raise ValueError(f"tokens_BxU needs at least T + K - 1 = {t + k - 1} columns, got {tokens_BxU.shape[1]}")
+  rows_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  valid_BxT = jnp.ones((b, t), bool)
+  h = hiddens_BxTxD.astype(model.cfg.jnp_dtype)
+  out = []
+  for i in range(k):
+    emb = model.embed_tokens(tokens_BxU[:, i:i + t])
+    h, _ = model.layers[i](emb, h, rows_BxT, valid_BxT, None, rope_offset=i + 1)
+    out.append(model.logits(i, h))
+    h = model.next_hidden(i, h)
+  return jnp.stack(out)

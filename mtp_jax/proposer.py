@@ -1,0 +1,326 @@
+"""The proposer state and its pure functions: `init_state`, `propose`, `after_verify`, `reset_slots`.
+
+State layout (all per sequence b of the batch; K modules, 0-based i = m - 1):
+
+- `kv[i]`: module i's KV cache, rows 0..L-1 (position-addressed, row j at index j).
+- `lengths[i, b]`: rows of module i written so far; `lengths[i, b] <= num_pos[b]`.
+- `num_pos[b]`: P + 1, the positions whose target hidden the chain has consumed.
+- `tail[i]`: a ring of the last R = K hiddens module i handed on (row j at slot j % R). A deeper
+  module lags its predecessor by up to K - 1 rows after a rejection, and catching those rows up
+  needs the predecessor's hiddens from an earlier call.
+- `num_drafted[b]`: drafts of the last `propose` not yet settled by `after_verify` (0 = none).
+- `draft_probs`: float32[B, K, V], the distributions the drafts were drawn from (only when asked
+  for by `init_state(keep_draft_probs=True)`; lossless sampling verification needs them).
+
+Row j of module i depends on t_{j+i+1}; after a propose at newest position P, rows with
+j + i + 1 > P + 1 used drafts. `after_verify(a)` keeps rows j <= P + 1 + a - (i + 1).
+The next `propose` recomputes module i from `lengths[i]` up to the new P': at most
+T + i rows, so module i's window is the static T + i.
+
+With `num_drafts = k < K`, modules k..K-1 still run, but only over rows whose inputs are all
+verified (catch-up), so a later call with a larger k finds them within their window.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import checkify
+
+from mtp_jax.config import MtpConfig
+from mtp_jax.layers import KVCache
+from mtp_jax.mtp import MtpModel
+from mtp_jax.sampling import sample
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class ProposerState:
+  """Pytree of the proposer's per-sequence state; see the module docstring for the layout.
+
+  kv: K x KVCache(k, v: dtype[B, L, Hkv, Dh]); tail: (K - 1) x dtype[B, K, D];
+  lengths: int32[K, B]; num_pos: int32[B]; num_drafted: int32[B];
+  draft_probs: float32[B, K, V] or None; cfg: static MtpConfig.
+  """
+
+  kv: tuple[KVCache, ...]
+  tail: tuple[jax.Array, ...]
+  lengths: jax.Array
+  num_pos: jax.Array
+  num_drafted: jax.Array
+  draft_probs: jax.Array | None
+  cfg: MtpConfig = dataclasses.field(metadata=dict(static=True))
+
+  def set(self, **changes) -> "ProposerState":
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def batch_size(self) -> int:
+    return self.num_pos.shape[0]
+
+  @property
+  def max_len(self) -> int:
+    return self.kv[0].k.shape[1]
+
+
+def init_state(cfg: MtpConfig, batch_size: int, max_len: int, *, keep_draft_probs: bool = False,
+               dtype=None) -> ProposerState:
+  """An empty state for `batch_size` sequences of at most `max_len` positions each.
+
+  keep_draft_probs: also keep float32[B, K, V] draft distributions (for sampling verification).
+  dtype: KV cache / tail dtype (default cfg.dtype).
+  """
+  if batch_size < 1 or max_len < 1:
+    raise ValueError(f"batch_size and max_len must be >= 1, got {batch_size} and {max_len}")
+  k, d = cfg.num_modules, cfg.hidden_size
+  dtype = jnp.dtype(dtype or cfg.jnp_dtype)
+  return ProposerState(
+      kv=tuple(KVCache.zeros(cfg, batch_size, max_len, dtype) for _ in range(k)),
+      tail=tuple(jnp.zeros((batch_size, k, d), dtype) for _ in range(k - 1)),
+      lengths=jnp.zeros((k, batch_size), jnp.int32),
+      num_pos=jnp.zeros((batch_size,), jnp.int32),
+      num_drafted=jnp.zeros((batch_size,), jnp.int32),
+      draft_probs=(jnp.zeros((batch_size, k, cfg.vocab_size), jnp.float32) if keep_draft_probs else None),
+      cfg=cfg)
+
+
+def _is_concrete(*xs) -> bool:
+  return not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(xs))
+
+
+def _trim(lengths_KxB, num_pos_B, num_accepted_B):
+  """The validity rule: module i keeps rows j <= P + 1 + a - (i + 1), i.e. length <= num_pos + a - i."""
+  i_Kx1 = jnp.arange(lengths_KxB.shape[0], dtype=jnp.int32)[:, None]
+  return jnp.maximum(0, jnp.minimum(lengths_KxB, num_pos_B[None] + num_accepted_B[None] - i_Kx1))
+
+
+def _check_propose_shapes(params, state, hiddens, tokens, num_new, num_drafts):
+  cfg = params.cfg
+  if not isinstance(state, ProposerState):
+    raise TypeError(f"state must be a ProposerState, got {type(state).__name__}")
+  if state.cfg != cfg:
+    raise ValueError(f"state was made for another config ({state.cfg}); params have {cfg}")
+  if not isinstance(num_drafts, int) or not 1 <= num_drafts <= cfg.num_modules:
+    raise ValueError(f"num_drafts must be an int in 1..num_modules={cfg.num_modules}, got {num_drafts!r}")
+  b = state.batch_size
+  if hiddens.ndim != 3 or hiddens.shape[0] != b or hiddens.shape[2] != cfg.hidden_size:
+    raise ValueError(f"hiddens must be float[B={b}, T, D={cfg.hidden_size}], got shape {hiddens.shape}")
+  t = hiddens.shape[1]
+  if t < 1:
+    raise ValueError("hiddens must have T >= 1 rows")
+  if tokens.shape != (b, t) or not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"tokens must be int32[B={b}, T={t}], got {tokens.dtype}{list(tokens.shape)}")
+  if num_new.shape != (b,) or not jnp.issubdtype(num_new.dtype, jnp.integer):
+    raise ValueError(f"num_new must be int32[B={b}], got {num_new.dtype}{list(num_new.shape)}")
+
+
+def _propose_value_errors(state, tokens, num_new, vocab_size, t):
+  """(condition that must hold, message) pairs over values; shared by eager and checkify checks."""
+  end = state.num_pos + num_new
+  return [
+      (jnp.all((num_new >= 0) & (num_new <= t)), f"num_new must be in 0..T={t}"),
+      (jnp.all(end <= state.max_len),
+       f"a sequence would outgrow max_len={state.max_len} (num_pos + num_new > max_len)"),
+      (jnp.all((tokens >= 0) & (tokens < vocab_size)), f"tokens must be in 0..vocab_size-1={vocab_size - 1}"),
+  ]
+
+
+def _raise_eager(errors, **values):
+  for ok, msg in errors:
+    if not bool(ok):
+      detail = ", ".join(f"{k}={np.asarray(v).tolist()}" for k, v in values.items())
+      raise ValueError(f"{msg} ({detail})")
+
+
+def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, num_drafts: int, *,
+            key=None, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+            grammar=None, grammar_state=None, checked: bool = False):
+  """Catches the chain up on the newly verified positions and drafts `num_drafts` tokens.
+
+  Args:
+    params: MtpModel with K modules.
+    state: ProposerState from `init_state` (or a previous call).
+    hiddens: float[B, T, D] target hiddens h0_j at the new verified positions j = num_pos..,
+      left-aligned, padded to a static T.
+    tokens: int32[B, T]; tokens[b, u] = t_{j+1} for the same positions (the verified token that
+      follows each position; the last real one is the newest verified "bonus" token).
+    num_new: int32[B], 0..T, real entries per sequence (the prompt length on the first call,
+      a + 1 after a verification that accepted a drafts).
+    num_drafts: static k, 1..K.
+    key: PRNG key, needed when temperature > 0.
+    temperature / top_k / top_p: static sampling settings; temperature 0 drafts greedily.
+    grammar, grammar_state: optional `mtp_jax.grammar.Grammar` and int32[B] states after the
+      verified tokens; draft i is masked with the state reached after drafts 0..i-1.
+    checked: add `checkify` checks on values (wrap the caller in `checkify.checkify`).
+  Returns:
+    drafts int32[B, k], new ProposerState. Drafts of a sequence with no positions are unspecified.
+
+  Pure: inputs are not modified. Under a caller's `jax.jit` with `donate_argnames="state"` the
+  caches are updated in place (see docs/proposer.md).
+  """
+  hiddens, tokens, num_new = jnp.asarray(hiddens), jnp.asarray(tokens), jnp.asarray(num_new)
+  _check_propose_shapes(params, state, hiddens, tokens, num_new, num_drafts)
+  if temperature < 0:
+    raise ValueError(f"temperature must be >= 0, got {temperature}")
+  if temperature > 0 and key is None:
+    raise ValueError("key is required when temperature > 0")
+  if (grammar is None) != (grammar_state is None):
+    raise ValueError("grammar and grammar_state must be given together")
+  if _is_concrete(state.num_pos, tokens, num_new):
+    _raise_eager(_propose_value_errors(state, tokens, num_new, params.cfg.vocab_size, tokens.shape[1]),
+                 num_pos=state.num_pos, num_new=num_new)
+    return _propose_jit(params, state, hiddens, tokens.astype(jnp.int32), num_new.astype(jnp.int32),
+                        num_drafts, key, temperature, top_k, top_p, grammar, grammar_state, checked)
+  return _propose(params, state, hiddens, tokens.astype(jnp.int32), num_new.astype(jnp.int32),
+                  num_drafts, key, temperature, top_k, top_p, grammar, grammar_state, checked)
+
+
+def _gather_rows(x_BxTx, idx_BxW):
+  return jnp.take_along_axis(x_BxTx, idx_BxW.reshape(idx_BxW.shape + (1,) * (x_BxTx.ndim - 2)), axis=1)
+
+
+def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, key, temperature,
+             top_k, top_p, grammar, grammar_state_B, checked):
+  cfg = params.cfg
+  if checked:
+    for ok, msg in _propose_value_errors(state, tokens_BxT, num_new_B, cfg.vocab_size, tokens_BxT.shape[1]):
+      checkify.check(ok, msg)
+  b, t, _ = hiddens_BxTxD.shape
+  ring = cfg.num_modules
+  b_idx = jnp.arange(b)[:, None]
+  num_pos_B = state.num_pos
+  # A propose over unsettled drafts treats them as all rejected (after_verify with a = 0).
+  pending_B = state.num_drafted > 0
+  lengths_KxB = jnp.where(pending_B[None], _trim(state.lengths, num_pos_B, jnp.zeros_like(num_pos_B)),
+                          state.lengths)
+  new_num_pos_B = num_pos_B + num_new_B
+  kv, tail = list(state.kv), list(state.tail)
+  new_lengths, drafts, probs = [], [], []
+  prev_h_BxWxD, prev_start_B = hiddens_BxTxD.astype(cfg.jnp_dtype), num_pos_B
+  g_state_B = grammar_state_B
+  for i in range(cfg.num_modules):
+    drafting = i < num_drafts
+    w = t + i
+    start_B = lengths_KxB[i]
+    rows_BxW = start_B[:, None] + jnp.arange(w, dtype=jnp.int32)[None]
+    limit_B = new_num_pos_B if drafting else new_num_pos_B - i
+    valid_BxW = rows_BxW < limit_B[:, None]
+
+    # Row j reads t_{j+i+1}: a verified token of this call, or a draft of an earlier module.
+    u_BxW = rows_BxW + i - num_pos_B[:, None]
+    tok_BxW = _gather_rows(tokens_BxT, jnp.clip(u_BxW, 0, t - 1))
+    if i > 0:
+      d_BxW = _gather_rows(jnp.stack(drafts, axis=1), jnp.clip(u_BxW - num_new_B[:, None], 0, i - 1))
+      tok_BxW = jnp.where(u_BxW < num_new_B[:, None], tok_BxW, d_BxW)
+
+    # Row j reads h^i_j: from the previous depth in this call, or from its ring if that depth
+    # computed row j in an earlier call (the old ring: this call's writes may alias its slots).
+    idx_BxW = rows_BxW - prev_start_B[:, None]
+    h_BxWxD = _gather_rows(prev_h_BxWxD, jnp.clip(idx_BxW, 0, prev_h_BxWxD.shape[1] - 1))
+    if i > 0:
+      ring_h = _gather_rows(state.tail[i - 1], rows_BxW % ring)
+      h_BxWxD = jnp.where((idx_BxW < 0)[..., None], ring_h, h_BxWxD)
+
+    emb_BxWxD = params.embed_tokens(tok_BxW)
+    out_BxWxD, kv[i] = params.layers[i](emb_BxWxD, h_BxWxD, rows_BxW, valid_BxW, kv[i], rope_offset=i + 1)
+    next_h_BxWxD = params.next_hidden(i, out_BxWxD)
+    if i < cfg.num_modules - 1:
+      keep_BxW = valid_BxW & (rows_BxW >= limit_B[:, None] - ring)
+      slot_BxW = jnp.where(keep_BxW, rows_BxW % ring, ring)
+      tail[i] = tail[i].at[b_idx, slot_BxW].set(next_h_BxWxD.astype(tail[i].dtype), mode="drop")
+    new_lengths.append(jnp.maximum(start_B, limit_B))
+
+    if drafting:
+      last_B = jnp.clip(new_num_pos_B - 1 - start_B, 0, w - 1)
+      logits_BxV = params.logits(i, _gather_rows(out_BxWxD, last_B[:, None])[:, 0])
+      if grammar is not None:
+        from mtp_jax import grammar as grammar_lib
+        logits_BxV = grammar_lib.apply_mask(logits_BxV, grammar_lib.allowed_mask(grammar, g_state_B))
+      sub_key = None if key is None else jax.random.fold_in(key, i)
+      d_B, q_BxV = sample(logits_BxV, sub_key, temperature=temperature, top_k=top_k, top_p=top_p)
+      drafts.append(d_B)
+      probs.append(q_BxV)
+      if grammar is not None:
+        g_state_B = grammar_lib.advance(grammar, g_state_B, d_B)
+    prev_h_BxWxD, prev_start_B = next_h_BxWxD, start_B
+
+  draft_probs = state.draft_probs
+  if draft_probs is not None:
+    draft_probs = draft_probs.at[:, :num_drafts].set(jnp.stack(probs, axis=1))
+  new_state = state.set(kv=tuple(kv), tail=tuple(tail), lengths=jnp.stack(new_lengths),
+                        num_pos=new_num_pos_B, num_drafted=jnp.full((b,), num_drafts, jnp.int32),
+                        draft_probs=draft_probs)
+  return jnp.stack(drafts, axis=1), new_state
+
+
+_propose_jit = jax.jit(_propose, static_argnums=(5, 7, 8, 9, 12))
+
+
+def after_verify(state: ProposerState, num_accepted, *, checked: bool = False) -> ProposerState:
+  """Settles the last `propose`: keeps the rows that used only verified (or accepted) inputs.
+
+  Args:
+    state: the state returned by `propose`.
+    num_accepted: int32[B], 0..k accepted drafts per sequence (k = that propose's num_drafts).
+      Sequences with no drafts pending are left unchanged.
+    checked: add `checkify` checks on values.
+  Returns:
+    The new ProposerState; module i keeps max(0, min(length_i, num_pos + a - i)) rows.
+  """
+  num_accepted = jnp.asarray(num_accepted)
+  if num_accepted.shape != (state.batch_size,) or not jnp.issubdtype(num_accepted.dtype, jnp.integer):
+    raise ValueError(f"num_accepted must be int32[B={state.batch_size}], got "
+                     f"{num_accepted.dtype}{list(num_accepted.shape)}")
+  ok_msg = ((num_accepted >= 0) & (num_accepted <= state.num_drafted),
+            "num_accepted must be in 0..k, the num_drafts of the last propose (0 when none is pending)")
+  if _is_concrete(state.num_drafted, num_accepted):
+    _raise_eager([(jnp.all(ok_msg[0]), ok_msg[1])], num_accepted=num_accepted, k=state.num_drafted)
+    return _after_verify_jit(state, num_accepted.astype(jnp.int32))
+  if checked:
+    checkify.check(jnp.all(ok_msg[0]), ok_msg[1])
+  return _after_verify(state, num_accepted.astype(jnp.int32))
+
+
+def _after_verify(state, num_accepted_B):
+  pending_B = state.num_drafted > 0
+  lengths = jnp.where(pending_B[None], _trim(state.lengths, state.num_pos, num_accepted_B), state.lengths)
+  return state.set(lengths=lengths, num_drafted=jnp.zeros_like(state.num_drafted))
+
+
+_after_verify_jit = jax.jit(_after_verify)
+
+
+def reset_slots(state: ProposerState, mask) -> ProposerState:
+  """Frees the slots where mask (bool[B]) is True: they behave exactly like a fresh state.
+
+  Cache rows are not cleared: with length 0 no row of the slot is ever attended to or read.
+  """
+  mask_B = jnp.asarray(mask, bool)
+  if mask_B.shape != (state.batch_size,):
+    raise ValueError(f"mask must be bool[B={state.batch_size}], got shape {mask_B.shape}")
+  return _reset_jit(state, mask_B) if _is_concrete(mask_B) else _reset(state, mask_B)
+
+
+def _reset(state, mask_B):
+  zero = lambda x: jnp.where(mask_B, 0, x)
+  return state.set(lengths=jnp.where(mask_B[None], 0, state.lengths), num_pos=zero(state.num_pos),
+                   num_drafted=zero(state.num_drafted))
+
+
+_reset_jit = jax.jit(_reset)
+
+
+def checked(fn):
+  """`fn` (`propose` or `after_verify`) with value checks, functionalised by `checkify`.
+
+  The wrapped function returns (error, outputs) and works under `jax.jit`; call
+  `error.throw()` outside jit to raise `checkify.JaxRuntimeError` naming the argument and
+  the limit that failed. Static arguments (num_drafts, temperature, ...) go as keywords.
+  """
+  def wrapper(*args, **static_kwargs):
+    return checkify.checkify(lambda *a: fn(*a, checked=True, **static_kwargs))(*args)
+  return functools.wraps(fn)(wrapper)
