@@ -1,0 +1,245 @@
+"""Real MTP checkpoint layouts (DeepSeek-V3 / GLM-4.5, MiMo, Qwen3-Next) mapped onto mtp_jax's names.
+
+Only dense blocks are supported; docs/checkpoints.md lists the names and every layout's mapping.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+
+import numpy as np
+
+from mtp_jax.checkpoint import CheckpointReader, save_tensors
+from mtp_jax.config import MtpConfig
+
+LAYOUTS = ("canonical", "deepseek", "mimo", "qwen3_next")
+
+# Whether a layout's next module reads the previous module's head-normed hidden state.
+# DeepSeek chains the raw residual stream; MiMo and Qwen3-Next return norm(h) from each step.
+_PASS_NORMED_HIDDEN = {"deepseek": False, "mimo": True, "qwen3_next": True}
+
+# The tensor that only that layout has, for detect_layout.
+_SIGNATURES = {
+    "canonical": r"mtp\.\d+\.eh_proj\.weight",
+    "deepseek": r"model\.layers\.\d+\.eh_proj\.weight",
+    "mimo": r"model\.mtp_layers\.\d+\.input_proj\.weight",
+    "qwen3_next": r"mtp\.fc\.weight",
+}
+
+# HF config keys for the number of MTP modules: DeepSeek / GLM / MiMo, Qwen3-Next, others.
+_NUM_MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
+
+_MIMO_NAMES = {"enorm.weight": "token_layernorm.weight", "hnorm.weight": "hidden_layernorm.weight",
+               "eh_proj.weight": "input_proj.weight", "shared_head.norm.weight": "final_layernorm.weight"}
+# One set shared by every Qwen3-Next MTP layer.
+_QWEN3_NEXT_SHARED = {"enorm.weight": "mtp.pre_fc_norm_embedding.weight",
+                      "hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
+                      "eh_proj.weight": "mtp.fc.weight", "shared_head.norm.weight": "mtp.norm.weight"}
+
+
+def canonical_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
+  """Every canonical tensor name -> shape, e.g. mtp.0.eh_proj.weight -> (D, 2D), lm_head.weight -> (V, D)."""
+  d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+  q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+  module = {"enorm.weight": (d,), "hnorm.weight": (d,), "eh_proj.weight": (d, 2 * d),
+            "input_layernorm.weight": (d,), "self_attn.q_proj.weight": (q, d),
+            "self_attn.k_proj.weight": (kv, d), "self_attn.v_proj.weight": (kv, d),
+            "self_attn.o_proj.weight": (d, q), "post_attention_layernorm.weight": (d,),
+            "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
+            "mlp.down_proj.weight": (d, f), "shared_head.norm.weight": (d,)}
+  if cfg.attention_bias:
+    module |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
+               "self_attn.v_proj.bias": (kv,)}
+  shapes = {f"mtp.{i}.{s}": shape for i in range(cfg.num_modules) for s, shape in module.items()}
+  return shapes | {"embed_tokens.weight": (v, d), "lm_head.weight": (v, d)}
+
+
+def detect_layout(names: Iterable[str]) -> str:
+  """Which of LAYOUTS a checkpoint's tensor names follow."""
+  names = list(names)
+  found = [layout for layout, pattern in _SIGNATURES.items()
+           if any(re.fullmatch(pattern, n) for n in names)]
+  if len(found) != 1:
+    wanted = ", ".join(f"{layout}: {p}" for layout, p in _SIGNATURES.items())
+    raise ValueError(f"cannot tell the MTP layout (matches {found or 'none'}); looked for {wanted}")
+  return found[0]
+
+
+def config_from_hf(config: Mapping | str | os.PathLike, *, layout: str | None = None) -> MtpConfig:
+  """An MtpConfig from an HF config.json (dict or path), or from one written by save_canonical.
+
+  `layout` sets how hidden states chain between modules; without it that stays at the default.
+  Settings mtp_jax cannot honour (RoPE scaling, partial rotary, non-SiLU MLPs) raise ValueError.
+  """
+  if not isinstance(config, Mapping):
+    with open(config) as f:
+      config = json.load(f)
+  if "mtp_jax" in config:
+    return MtpConfig(**config["mtp_jax"])
+  rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type != "default":
+    raise ValueError(f"RoPE type {rope_type!r} is not supported, only plain RoPE")
+  partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
+  if partial != 1.0:
+    raise ValueError(f"partial_rotary_factor {partial} is not supported, only full RoPE")
+  act = config.get("hidden_act", "silu")
+  if act not in ("silu", "swish"):
+    raise ValueError(f"hidden_act {act!r} is not supported, only SiLU-gated MLPs")
+  num_modules = next((config[k] for k in _NUM_MTP_KEYS if config.get(k)), None)
+  if num_modules is None:
+    raise ValueError(f"config has no MTP modules (none of {_NUM_MTP_KEYS} is set and positive)")
+  heads = config["num_attention_heads"]
+  kwargs = dict(
+      hidden_size=config["hidden_size"],
+      num_heads=heads,
+      num_kv_heads=config.get("num_key_value_heads") or heads,
+      head_dim=config.get("head_dim") or config["hidden_size"] // heads,
+      intermediate_size=config["intermediate_size"],
+      rms_norm_eps=config.get("rms_norm_eps", 1e-6),
+      rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
+      # Qwen2-family configs (MiMo) have no attention_bias key: their q, k, v always carry biases.
+      attention_bias=config.get("attention_bias", config.get("model_type") in ("qwen2", "mimo")),
+      vocab_size=config["vocab_size"],
+      num_modules=num_modules,
+  )
+  if layout is not None:
+    kwargs["pass_normed_hidden"] = _PASS_NORMED_HIDDEN.get(layout, False)
+  return MtpConfig(**kwargs)
+
+
+def _swap_halves(w: np.ndarray) -> np.ndarray:
+  # MiMo's input_proj reads concat(hidden, embedding); canonical eh_proj reads concat(embedding, hidden).
+  half = w.shape[1] // 2
+  return np.concatenate([w[:, half:], w[:, :half]], axis=1)
+
+
+def _plus_one(w: np.ndarray) -> np.ndarray:
+  # Qwen3-Next RMSNorms scale by (1 + weight); float32 so bf16 weights near 0 keep their precision.
+  return w.astype(np.float32) + 1.0
+
+
+def _first_deepseek_layer(names: Iterable[str]) -> int:
+  layers = [int(m.group(1)) for n in names
+            if (m := re.fullmatch(r"model\.layers\.(\d+)\.eh_proj\.weight", n))]
+  if not layers:
+    raise ValueError("deepseek checkpoint has no model.layers.<n>.eh_proj.weight")
+  return min(layers)
+
+
+def _plan(layout, cfg, names, first_layer):
+  """(canonical name -> (source names that must hold one equal tensor, transform), scope prefixes).
+
+  Every tensor under a scope prefix must be used, so unsupported parts cannot slip by unread.
+  """
+  suffixes = [n.split(".", 2)[2] for n in canonical_shapes(cfg) if n.startswith("mtp.0.")]
+  ks = range(cfg.num_modules)
+  embed, head = ["model.embed_tokens.weight"], ["lm_head.weight"]
+  if layout == "canonical":
+    prefixes = [f"mtp.{i}." for i in ks]
+    source = lambda i, s: (f"mtp.{i}.{s}", None)
+    embed, head = ["embed_tokens.weight"], ["lm_head.weight"]
+  elif layout == "deepseek":
+    first = _first_deepseek_layer(names) if first_layer is None else first_layer
+    prefixes = [f"model.layers.{first + i}." for i in ks]
+    source = lambda i, s: (prefixes[i] + s, None)
+    embed = [p + "embed_tokens.weight" for p in prefixes if p + "embed_tokens.weight" in names] or embed
+    head = [p + "shared_head.head.weight" for p in prefixes
+            if p + "shared_head.head.weight" in names] or head
+  elif layout == "mimo":
+    prefixes = [f"model.mtp_layers.{i}." for i in ks]
+    source = lambda i, s: (prefixes[i] + _MIMO_NAMES.get(s, s),
+                           _swap_halves if s == "eh_proj.weight" else None)
+    # MiMo's q, k, v biases sit where the canonical ones do: no renaming needed.
+  elif layout == "qwen3_next":
+    prefixes = [f"mtp.layers.{i}." for i in ks] + [
+        n.removesuffix("weight") for n in _QWEN3_NEXT_SHARED.values()]
+    source = lambda i, s: (_QWEN3_NEXT_SHARED.get(s, f"mtp.layers.{i}.{s}"),
+                           _plus_one if s.endswith("norm.weight") else None)
+  else:
+    raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+  plan = {}
+  for i in ks:
+    for s in suffixes:
+      name, transform = source(i, s)
+      plan[f"mtp.{i}.{s}"] = ([name], transform)
+  plan["embed_tokens.weight"] = (embed, None)
+  plan["lm_head.weight"] = (head, None)
+  return plan, tuple(prefixes)
+
+
+def _shape(source, name: str) -> tuple[int, ...]:
+  return source.shape(name) if isinstance(source, CheckpointReader) else tuple(np.shape(source[name]))
+
+
+def to_canonical(source: Mapping | CheckpointReader, layout: str, cfg: MtpConfig, *,
+                 first_layer: int | None = None) -> dict[str, np.ndarray]:
+  """Canonical name -> tensor, with the shapes of `canonical_shapes(cfg)` (e.g. float32[V, D]).
+
+  source: name -> array in `layout`, or a CheckpointReader (then only the needed tensors load).
+  first_layer: deepseek only, the layer index of MTP module 0 (HF num_hidden_layers); by default
+  the lowest layer holding an eh_proj. Dtypes stay as stored, except that Qwen3-Next norm
+  weights come back float32. Arrays read once (a shared Qwen3-Next fc) are shared between names.
+  """
+  names = set(source.keys())
+  plan, prefixes = _plan(layout, cfg, names, first_layer)
+  used = {n for sources, _ in plan.values() for n in sources}
+  unused = sorted(n for n in names if n.startswith(prefixes) and n not in used)
+  if unused:
+    hint = " (the config has attention_bias off)" if unused[0].endswith(".bias") else ""
+    raise NotImplementedError(
+        f"{layout} checkpoint tensor {unused[0]!r}{hint} has no place in a dense MTP module"
+        f"{f' ({len(unused) - 1} more like it)' if len(unused) > 1 else ''}: only dense blocks are "
+        "supported (no MoE experts or router, MLA, q/k norms, gated attention or quantization scales)")
+  shapes = canonical_shapes(cfg)
+  out, loaded = {}, {}
+  for canonical, (sources, transform) in plan.items():
+    want = shapes[canonical]
+    for name in sources:
+      if name not in names:
+        raise ValueError(f"{layout} checkpoint lacks tensor {name!r} "
+                         f"(mtp_jax {canonical}, expected shape {want})")
+      if _shape(source, name) != want:
+        raise ValueError(f"{layout} checkpoint tensor {name!r} has shape {_shape(source, name)}, "
+                         f"expected {want} (mtp_jax {canonical})")
+      if name not in loaded:
+        loaded[name] = np.asarray(source[name])
+    for name in sources[1:]:
+      if not np.array_equal(loaded[name], loaded[sources[0]]):
+        raise ValueError(f"{layout} checkpoint tensors {sources[0]!r} and {name!r} differ, but "
+                         f"mtp_jax shares one {canonical} across all MTP modules")
+    first = loaded[sources[0]]
+    out[canonical] = transform(first) if transform else first
+  return out
+
+
+def read_mtp_checkpoint(path, *, layout: str | None = None) -> tuple[MtpConfig, dict[str, np.ndarray]]:
+  """(config, canonical tensors as in `to_canonical`) from a checkpoint and the config.json beside it.
+
+  path: a .safetensors file, a shard index, or their directory. Reads only the MTP tensors, the
+  embedding and the LM head, never whole shards.
+  """
+  with CheckpointReader(path) as reader:
+    config_path = os.path.join(os.path.dirname(reader.path), "config.json")
+    if not os.path.isfile(config_path):
+      raise FileNotFoundError(f"no config.json beside {reader.path}")
+    with open(config_path) as f:
+      hf = json.load(f)
+    layout = layout or detect_layout(reader.keys())
+    cfg = config_from_hf(hf, layout=layout)
+    first_layer = hf.get("num_hidden_layers") if layout == "deepseek" else None
+    return cfg, to_canonical(reader, layout, cfg, first_layer=first_layer)
+
+
+def save_canonical(path, cfg: MtpConfig, tensors: Mapping) -> None:
+  """Writes `path`/model.safetensors (canonical names, checked against `canonical_shapes(cfg)`)
+  and `path`/config.json, which `read_mtp_checkpoint` reads back."""
+  tensors = to_canonical(tensors, "canonical", cfg)
+  os.makedirs(path, exist_ok=True)
+  save_tensors(os.path.join(path, "model.safetensors"), tensors, metadata={"format": "mtp_jax"})
+  with open(os.path.join(path, "config.json"), "w") as f:
+    json.dump({"mtp_jax": dataclasses.asdict(cfg)}, f, indent=2)
