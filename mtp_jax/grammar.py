@@ -127,8 +127,8 @@ def _csr_lookup(grammar: Grammar, state_B: jax.Array, token_B: jax.Array) -> jax
 def states_along(grammar: Grammar, state_B: jax.Array, tokens_BxK: jax.Array) -> jax.Array:
   """States int32[B, K + 1] before each of the tokens int32[B, K] and after the last one.
 
-  Row k is the state whose `allowed_mask` constrains position k, e.g. the K + 1 verifier
-  positions of K drafted tokens.
+  Column k is the state whose `allowed_mask` constrains position k: for K drafted tokens,
+  the masks of the K + 1 positions the target model verifies.
   """
   def step(state, token):
     nxt = advance(grammar, state, token)

@@ -22,8 +22,9 @@ _no_token = jax.jit(grammar.no_allowed_token)
 BYTE_PATTERN = r"(?:ab|é)+[0-9]{0,2}|x(?:yz)*|[α-γ]"
 
 # A vocabulary with multi-byte tokens, a never-allowed special and EOS last.
-JSON_VOCAB = [b"{", b"}", b'"', b"a", b'"a"', b":", b" ", b"-", *(bytes([c]) for c in b"0123456789"),
-              b"12", b"-1", b'{"a":', b'"a": ', b"ab", "é".encode(), b"}}", None, b"<eos>"]
+JSON_VOCAB = [b"{", b"}", b'"', b"a", b'"a"', b":", b" ", b"-",
+              *(bytes([c]) for c in b"0123456789"), b"12", b"-1", b'{"a":', b'"a": ', b"ab",
+              "é".encode(), b"}}", None, b"<eos>"]
 JSON_EOS = len(JSON_VOCAB) - 1
 JSON_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
 
@@ -168,7 +169,8 @@ def test_dense_and_compact_agree(build):
   # Allowed non-EOS tokens move to a live state; EOS is allowed exactly in final states.
   eos = dense.eos_token_id
   others = np.arange(dense.vocab_size) != eos
-  np.testing.assert_array_equal(dense_mask_SxV[:, others], dense_next_SxV[:, others] != grammar.DONE)
+  np.testing.assert_array_equal(dense_mask_SxV[:, others],
+                                dense_next_SxV[:, others] != grammar.DONE)
   np.testing.assert_array_equal(dense_mask_SxV[:, eos], dense.final)
   np.testing.assert_array_equal(dense_next_SxV[:, eos], grammar.DONE)
   assert (dense_mask_SxV.sum(-1) >= 1).all()
