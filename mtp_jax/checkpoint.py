@@ -1,4 +1,4 @@
-"""safetensors IO: whole-dict save / load, and a lazy reader for single-file or sharded checkpoints."""
+"""safetensors IO: whole-dict save / load, and a lazy reader for single or sharded checkpoints."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ class CheckpointReader:
     return file
 
   def get(self, name: str) -> np.ndarray:
-    """The stored tensor, with its stored shape and dtype (BF16 comes back as ml_dtypes.bfloat16)."""
+    """The tensor with its stored shape and dtype (BF16 comes back as ml_dtypes.bfloat16)."""
     file = self._file_of(name)
     try:
       return self._handle(file).get_tensor(name)

@@ -128,6 +128,7 @@ def heldout_prompts(n: int, *, prompt_len: int, seed: int) -> list[list[int]]:
   starts = starts[starts + prompt_len <= len(tokens)]
   starts = starts[tokens[starts] != ord("\n")]
   if n > len(starts):
-    raise ValueError(f"asked for {n} prompts of {prompt_len} bytes; held-out text has {len(starts)}")
+    raise ValueError(
+        f"asked for {n} prompts of {prompt_len} bytes; held-out text has {len(starts)}")
   chosen = np.random.default_rng(seed).choice(starts, size=n, replace=False)
   return [tokens[s:s + prompt_len].tolist() for s in chosen]

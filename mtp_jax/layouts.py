@@ -1,4 +1,4 @@
-"""Real MTP checkpoint layouts (DeepSeek-V3 / GLM-4.5, MiMo, Qwen3-Next) mapped onto mtp_jax's names.
+"""Real MTP checkpoint layouts (DeepSeek-V3 / GLM-4.5, MiMo, Qwen3-Next) onto mtp_jax's names.
 
 Only dense blocks are supported; docs/checkpoints.md lists the names and every layout's mapping.
 """
@@ -33,16 +33,19 @@ _SIGNATURES = {
 # HF config keys for the number of MTP modules: DeepSeek / GLM / MiMo, Qwen3-Next, others.
 _NUM_MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
 
-_MIMO_NAMES = {"enorm.weight": "token_layernorm.weight", "hnorm.weight": "hidden_layernorm.weight",
-               "eh_proj.weight": "input_proj.weight", "shared_head.norm.weight": "final_layernorm.weight"}
+_MIMO_NAMES = {"enorm.weight": "token_layernorm.weight",
+               "hnorm.weight": "hidden_layernorm.weight",
+               "eh_proj.weight": "input_proj.weight",
+               "shared_head.norm.weight": "final_layernorm.weight"}
 # One set shared by every Qwen3-Next MTP layer.
 _QWEN3_NEXT_SHARED = {"enorm.weight": "mtp.pre_fc_norm_embedding.weight",
                       "hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
-                      "eh_proj.weight": "mtp.fc.weight", "shared_head.norm.weight": "mtp.norm.weight"}
+                      "eh_proj.weight": "mtp.fc.weight",
+                      "shared_head.norm.weight": "mtp.norm.weight"}
 
 
 def canonical_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
-  """Every canonical tensor name -> shape, e.g. mtp.0.eh_proj.weight -> (D, 2D), lm_head.weight -> (V, D)."""
+  """Every canonical name -> shape, e.g. mtp.0.eh_proj.weight -> (D, 2D), lm_head -> (V, D)."""
   d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
   q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
   module = {"enorm.weight": (d,), "hnorm.weight": (d,), "eh_proj.weight": (d, 2 * d),
@@ -113,7 +116,7 @@ def config_from_hf(config: Mapping | str | os.PathLike, *, layout: str | None = 
 
 
 def _swap_halves(w: np.ndarray) -> np.ndarray:
-  # MiMo's input_proj reads concat(hidden, embedding); canonical eh_proj reads concat(embedding, hidden).
+  # MiMo's input_proj reads concat(hidden, embedding); eh_proj reads concat(embedding, hidden).
   half = w.shape[1] // 2
   return np.concatenate([w[:, half:], w[:, :half]], axis=1)
 
@@ -142,12 +145,13 @@ def _plan(layout, cfg, names, first_layer):
   if layout == "canonical":
     prefixes = [f"mtp.{i}." for i in ks]
     source = lambda i, s: (f"mtp.{i}.{s}", None)
-    embed, head = ["embed_tokens.weight"], ["lm_head.weight"]
+    embed = ["embed_tokens.weight"]
   elif layout == "deepseek":
     first = _first_deepseek_layer(names) if first_layer is None else first_layer
     prefixes = [f"model.layers.{first + i}." for i in ks]
     source = lambda i, s: (prefixes[i] + s, None)
-    embed = [p + "embed_tokens.weight" for p in prefixes if p + "embed_tokens.weight" in names] or embed
+    embed = [p + "embed_tokens.weight" for p in prefixes
+             if p + "embed_tokens.weight" in names] or embed
     head = [p + "shared_head.head.weight" for p in prefixes
             if p + "shared_head.head.weight" in names] or head
   elif layout == "mimo":
@@ -173,7 +177,9 @@ def _plan(layout, cfg, names, first_layer):
 
 
 def _shape(source, name: str) -> tuple[int, ...]:
-  return source.shape(name) if isinstance(source, CheckpointReader) else tuple(np.shape(source[name]))
+  if isinstance(source, CheckpointReader):
+    return source.shape(name)  # from the header, without loading
+  return tuple(np.shape(source[name]))
 
 
 def to_canonical(source: Mapping | CheckpointReader, layout: str, cfg: MtpConfig, *,
@@ -190,11 +196,13 @@ def to_canonical(source: Mapping | CheckpointReader, layout: str, cfg: MtpConfig
   used = {n for sources, _ in plan.values() for n in sources}
   unused = sorted(n for n in names if n.startswith(prefixes) and n not in used)
   if unused:
-    hint = " (the config has attention_bias off)" if unused[0].endswith(".bias") else ""
+    off = unused[0].endswith("_proj.bias") and not cfg.attention_bias
+    hint = " (the config has attention_bias off)" if off else ""
     raise NotImplementedError(
         f"{layout} checkpoint tensor {unused[0]!r}{hint} has no place in a dense MTP module"
-        f"{f' ({len(unused) - 1} more like it)' if len(unused) > 1 else ''}: only dense blocks are "
-        "supported (no MoE experts or router, MLA, q/k norms, gated attention or quantization scales)")
+        f"{f' ({len(unused) - 1} more like it)' if len(unused) > 1 else ''}: only dense blocks "
+        "are supported (no MoE experts or router, MLA, q/k norms, gated attention or "
+        "quantization scales)")
   shapes = canonical_shapes(cfg)
   out, loaded = {}, {}
   for canonical, (sources, transform) in plan.items():
@@ -217,8 +225,9 @@ def to_canonical(source: Mapping | CheckpointReader, layout: str, cfg: MtpConfig
   return out
 
 
-def read_mtp_checkpoint(path, *, layout: str | None = None) -> tuple[MtpConfig, dict[str, np.ndarray]]:
-  """(config, canonical tensors as in `to_canonical`) from a checkpoint and the config.json beside it.
+def read_mtp_checkpoint(path, *,
+                        layout: str | None = None) -> tuple[MtpConfig, dict[str, np.ndarray]]:
+  """(config, canonical tensors as in `to_canonical`) from a checkpoint and its config.json.
 
   path: a .safetensors file, a shard index, or their directory. Reads only the MTP tensors, the
   embedding and the LM head, never whole shards.

@@ -69,7 +69,8 @@ def test_reader_sharded_is_lazy(tmp_path, monkeypatch):
       "model-00002-of-00002.safetensors": ["c.half", "d.bf16"]})
   opened = []
   real_open = safetensors.safe_open
-  monkeypatch.setattr(safetensors, "safe_open", lambda f, **kw: opened.append(f) or real_open(f, **kw))
+  monkeypatch.setattr(safetensors, "safe_open",
+                      lambda f, **kw: opened.append(f) or real_open(f, **kw))
   reader = CheckpointReader(tmp_path / "ck")
   assert sorted(reader.keys()) == sorted(tensors) and opened == []
   assert reader.shape("c.half") == (2, 2)

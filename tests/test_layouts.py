@@ -12,7 +12,8 @@ D, H, HKV, DH, F, V, K = 16, 2, 1, 8, 32, 50, 2
 NUM_LAYERS = 3  # target layers before the MTP ones in the deepseek layout
 SHARED = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight")
 MIMO_NAMES = {"enorm.weight": "token_layernorm.weight", "hnorm.weight": "hidden_layernorm.weight",
-              "eh_proj.weight": "input_proj.weight", "shared_head.norm.weight": "final_layernorm.weight"}
+              "eh_proj.weight": "input_proj.weight",
+              "shared_head.norm.weight": "final_layernorm.weight"}
 QWEN_NAMES = {"enorm.weight": "mtp.pre_fc_norm_embedding.weight",
               "hnorm.weight": "mtp.pre_fc_norm_hidden.weight", "eh_proj.weight": "mtp.fc.weight",
               "shared_head.norm.weight": "mtp.norm.weight"}
@@ -134,7 +135,8 @@ def assert_same(got, want):
 def test_read_real_layout_round_trip(tmp_path, layout, bias):
   cfg = tiny_cfg(bias, layout)
   canon = canonical_tensors(cfg, shared_across_modules=layout == "qwen3_next")
-  folder = write_checkpoint(tmp_path / layout, CONVERTERS[layout](canon, cfg), hf_config(layout, cfg),
+  raw = CONVERTERS[layout](canon, cfg)
+  folder = write_checkpoint(tmp_path / layout, raw, hf_config(layout, cfg),
                             shards=2 if layout == "deepseek" else 1)
   got_cfg, got = layouts.read_mtp_checkpoint(folder)
   assert got_cfg == cfg
@@ -175,8 +177,8 @@ def test_qwen3_next_shared_set_replicated_and_norms_shifted():
 
 def test_only_needed_tensors_are_read(tmp_path, monkeypatch):
   cfg = tiny_cfg()
-  folder = write_checkpoint(tmp_path, to_deepseek(canonical_tensors(cfg), cfg), hf_config("deepseek", cfg),
-                            shards=2)
+  raw = to_deepseek(canonical_tensors(cfg), cfg)
+  folder = write_checkpoint(tmp_path, raw, hf_config("deepseek", cfg), shards=2)
   read = []
   real_get = CheckpointReader.get
   monkeypatch.setattr(CheckpointReader, "get", lambda self, n: read.append(n) or real_get(self, n))
@@ -270,7 +272,8 @@ def test_config_from_hf(tmp_path):
           if k not in ("head_dim", "num_key_value_heads", "rope_theta", "attention_bias")}
   slim["rope_parameters"] = {"rope_type": "default", "rope_theta": 1e6}
   got = layouts.config_from_hf(slim)
-  assert (got.head_dim, got.num_kv_heads, got.rope_theta, got.attention_bias) == (D // H, H, 1e6, False)
+  assert (got.head_dim, got.num_kv_heads, got.rope_theta) == (D // H, H, 1e6)
+  assert not got.attention_bias
   assert layouts.config_from_hf({**slim, "model_type": "mimo"}).attention_bias
   for bad, match in [({"rope_scaling": {"type": "yarn", "factor": 40}}, "yarn"),
                      ({"partial_rotary_factor": 0.5}, "partial"),
