@@ -4,9 +4,15 @@ from mtp_jax.config import BlockConfig, MtpConfig, TargetConfig
 from mtp_jax.layers import KVCache
 from mtp_jax.mtp import MtpModel, forward_chain, init_mtp, load_state_dict, state_dict
 from mtp_jax.proposer import ProposerState, after_verify, checked, init_state, propose, reset_slots
+from mtp_jax.target import (TargetModel, TargetState, init_target, init_target_state, load_target_state_dict,
+                            target_state_dict, target_step)
+from mtp_jax.verify import verify_greedy, verify_relaxed, verify_sampling
+from mtp_jax.generate import GenerateOutput, generate
 
 __all__ = [
     "BlockConfig", "MtpConfig", "TargetConfig", "KVCache", "MtpModel", "forward_chain", "init_mtp",
     "load_state_dict", "state_dict", "ProposerState", "after_verify", "checked", "init_state",
-    "propose", "reset_slots",
+    "propose", "reset_slots", "TargetModel", "TargetState", "init_target", "init_target_state",
+    "load_target_state_dict", "target_state_dict", "target_step", "verify_greedy", "verify_relaxed",
+    "verify_sampling", "GenerateOutput", "generate",
 ]

@@ -1,0 +1,256 @@
+"""The serving loop: target verify + accept + `after_verify` + `propose` as one jitted step.
+
+Per sequence b the loop keeps `last[b]`, the newest emitted token (not yet run by the target),
+and `drafts[b]`, the k drafts that follow it. A step runs the target on [last, d_1..d_k]
+(rows L..L+k of its cache), accepts a drafts, emits d_1..d_a and the target's next token, keeps
+the target cache rows of [last, d_1..d_a], and hands the chain exactly those a + 1 positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp_jax import proposer as prop
+from mtp_jax.mtp import MtpModel
+from mtp_jax.sampling import sample
+from mtp_jax.target import TargetModel, TargetState, init_target_state, target_step
+from mtp_jax.verify import verify_greedy, verify_relaxed, verify_sampling
+
+PROMPT_BUCKET = 32  # prompts are padded to a multiple of this: one compile per bucket
+
+
+@dataclasses.dataclass
+class GenerateOutput:
+  """tokens: generated tokens only, per prompt (eos included when hit). stats: see `generate`."""
+
+  tokens: list[list[int]]
+  stats: dict
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+  """Everything one step carries; all arrays per sequence (B) unless noted."""
+
+  target: TargetState
+  proposer: prop.ProposerState | None
+  last: jax.Array            # int32[B]
+  drafts: jax.Array          # int32[B, k]
+  out: jax.Array             # int32[B, max_new + k + 1], emitted tokens
+  num_out: jax.Array         # int32[B]
+  done: jax.Array            # bool[B]
+  key: jax.Array
+  target_calls: jax.Array    # int32[B], prefill included
+  verify_calls: jax.Array    # int32[B], decode steps
+  accepted: jax.Array        # int32[B], emitted tokens that were drafts
+  target_tokens: jax.Array   # int32[B], emitted tokens chosen by the target
+  accepted_at: jax.Array     # int32[k], steps whose draft i was accepted (all sequences)
+
+  def set(self, **changes) -> "LoopState":
+    return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Settings:
+  num_drafts: int
+  max_new_tokens: int
+  temperature: float
+  top_k: int | None
+  top_p: float | None
+  eos_token_id: int | None
+  relaxed: tuple[int, float] | None
+
+
+def _emit(s: LoopState, new_BxJ, n_emit_B, cfg: _Settings, active_B) -> LoopState:
+  """Appends new_BxJ[:, :n] to the output, cut at eos and at max_new_tokens."""
+  j = new_BxJ.shape[1]
+  n = jnp.minimum(n_emit_B, cfg.max_new_tokens - s.num_out)
+  if cfg.eos_token_id is not None:
+    is_eos = (new_BxJ == cfg.eos_token_id) & (jnp.arange(j)[None] < n[:, None])
+    n = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, n)
+  n = jnp.where(active_B, n, 0)
+  cols = jnp.where(jnp.arange(j)[None] < n[:, None], s.num_out[:, None] + jnp.arange(j)[None], s.out.shape[1])
+  out = s.out.at[jnp.arange(new_BxJ.shape[0])[:, None], cols].set(new_BxJ, mode="drop")
+  num_out = s.num_out + n
+  done = s.done | (num_out >= cfg.max_new_tokens)
+  if cfg.eos_token_id is not None:
+    done = done | (active_B & jnp.any((new_BxJ == cfg.eos_token_id) & (jnp.arange(j)[None] < n[:, None]), axis=1))
+  return s.set(out=out, num_out=num_out, done=done), n
+
+
+def _start(target, proposer, prompts_BxT, lens_B, key, cfg: _Settings) -> LoopState:
+  b, t = prompts_BxT.shape
+  k = cfg.num_drafts
+  max_len = t + cfg.max_new_tokens + k + 1
+  tstate = init_target_state(target.cfg, b, max_len)
+  logits, hid, tstate = target_step(target, tstate, prompts_BxT, lens_B)
+  key, k_first, k_draft = jax.random.split(key, 3)
+  last_logits = jnp.take_along_axis(logits, (lens_B - 1)[:, None, None], axis=1)[:, 0]
+  first_B, _ = sample(last_logits, k_first, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+  one = jnp.ones((b,), jnp.int32)
+  s = LoopState(target=tstate, proposer=None, last=first_B, drafts=jnp.zeros((b, k), jnp.int32),
+                out=jnp.zeros((b, cfg.max_new_tokens + k + 1), jnp.int32), num_out=jnp.zeros((b,), jnp.int32),
+                done=jnp.zeros((b,), bool), key=key, target_calls=one, verify_calls=0 * one,
+                accepted=0 * one, target_tokens=one, accepted_at=jnp.zeros((k,), jnp.int32))
+  s, _ = _emit(s, first_B[:, None], one, cfg, jnp.ones((b,), bool))
+  if proposer is None:
+    return s
+  pstate = prop.init_state(proposer.cfg, b, max_len, keep_draft_probs=cfg.temperature > 0)
+  # Position j's token is t_{j+1}: the prompt shifted left, with the first generated token at the end.
+  tokens = jnp.concatenate([prompts_BxT[:, 1:], prompts_BxT[:, :1]], axis=1)
+  tokens = tokens.at[jnp.arange(b), lens_B - 1].set(first_B)
+  drafts, pstate = prop._propose(proposer, pstate, hid, tokens, lens_B, k, k_draft, cfg.temperature,
+                                 cfg.top_k, cfg.top_p, None, None, False)
+  return s.set(proposer=pstate, drafts=drafts)
+
+
+def _step(target, proposer, s: LoopState, cfg: _Settings) -> LoopState:
+  k = cfg.num_drafts
+  b = s.last.shape[0]
+  active_B = ~s.done
+  key, k_verify, k_draft = jax.random.split(s.key, 3)
+  inp_BxK1 = jnp.concatenate([s.last[:, None], s.drafts], axis=1)
+  old_len = s.target.length
+  logits, hid, tstate = target_step(target, s.target, inp_BxK1, jnp.where(active_B, k + 1, 0))
+  if proposer is None:
+    a_B = jnp.zeros((b,), jnp.int32)
+    next_B, _ = sample(logits[:, 0], k_verify, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+  elif cfg.relaxed is not None:
+    a_B, next_B = verify_relaxed(logits, s.drafts, top_n=cfg.relaxed[0], delta=cfg.relaxed[1])
+  elif cfg.temperature == 0:
+    a_B, next_B = verify_greedy(logits, s.drafts)
+  else:
+    a_B, next_B = verify_sampling(logits, s.drafts, s.proposer.draft_probs[:, :k], k_verify,
+                                  temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+  a_B = jnp.where(active_B, a_B, 0)
+  new_BxK1 = jnp.concatenate([s.drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+  new_BxK1 = new_BxK1.at[jnp.arange(b), a_B].set(next_B)
+  s2, n_B = _emit(s, new_BxK1, a_B + 1, cfg, active_B)
+  # The target keeps its rows for [last, d_1..d_a]; the rest were rejected.
+  tstate = tstate.set(length=old_len + jnp.where(active_B, a_B + 1, 0))
+  s2 = s2.set(target=tstate, last=jnp.where(active_B, next_B, s.last), key=key,
+              target_calls=s.target_calls + active_B, verify_calls=s.verify_calls + active_B,
+              accepted=s.accepted + jnp.minimum(a_B, n_B), target_tokens=s.target_tokens + (n_B == a_B + 1),
+              accepted_at=s.accepted_at + jnp.sum(active_B[:, None] & (jnp.arange(k)[None] < a_B[:, None]), axis=0))
+  if proposer is None:
+    return s2
+  pstate = prop._after_verify(s.proposer, a_B)
+  num_new = jnp.where(s2.done, 0, a_B + 1)
+  drafts, pstate = prop._propose(proposer, pstate, hid, new_BxK1, num_new, k, k_draft, cfg.temperature,
+                                 cfg.top_k, cfg.top_p, None, None, False)
+  return s2.set(proposer=pstate, drafts=drafts)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg",))
+def _generate_on_device(target, proposer, prompts_BxT, lens_B, key, cfg: _Settings) -> LoopState:
+  s = _start(target, proposer, prompts_BxT, lens_B, key, cfg)
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: _step(target, proposer, s, cfg), s)
+
+
+_start_jit = jax.jit(_start, static_argnames=("cfg",))
+_step_jit = jax.jit(_step, static_argnames=("cfg",), donate_argnames=("s",))
+
+
+def _validate(target, proposer, prompts, max_new_tokens, num_drafts, eos_token_id):
+  v = target.cfg.vocab_size
+  if proposer is not None:
+    if proposer.cfg.vocab_size != v:
+      raise ValueError(f"vocab mismatch: target vocab_size={v}, proposer vocab_size={proposer.cfg.vocab_size}")
+    if proposer.cfg.hidden_size != target.cfg.hidden_size:
+      raise ValueError(f"hidden size mismatch: target hidden_size={target.cfg.hidden_size}, "
+                       f"proposer hidden_size={proposer.cfg.hidden_size}")
+    if not isinstance(num_drafts, int) or not 1 <= num_drafts <= proposer.cfg.num_modules:
+      raise ValueError(f"num_drafts must be in 1..num_modules={proposer.cfg.num_modules}, got {num_drafts!r}")
+  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+  if not prompts:
+    raise ValueError("prompts must be a non-empty list of token lists")
+  for i, p in enumerate(prompts):
+    if len(p) == 0:
+      raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
+    bad = [x for x in p if not 0 <= int(x) < v]
+    if bad:
+      raise ValueError(f"prompts[{i}] has token id(s) {bad[:5]} outside 0..vocab_size-1={v - 1}")
+  if eos_token_id is not None and not 0 <= eos_token_id < v:
+    raise ValueError(f"eos_token_id={eos_token_id} outside 0..vocab_size-1={v - 1}")
+
+
+def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[Sequence[int]],
+             max_new_tokens: int, num_drafts: int | None = None, temperature: float = 0.0,
+             top_k: int | None = None, top_p: float | None = None, seed: int = 0,
+             eos_token_id: int | None = None, *, max_len: int | None = None,
+             relaxed: tuple[int, float] | None = None,
+             stream: Callable[[list[list[int]]], None] | None = None) -> GenerateOutput:
+  """Speculative decoding with the MTP chain (or plain autoregressive decoding if proposer is None).
+
+  Args:
+    prompts: B token lists of any lengths (padded to a multiple of 32 internally).
+    max_new_tokens: tokens to generate per prompt (fewer if eos_token_id is produced).
+    num_drafts: k, 1..K (default K).
+    temperature / top_k / top_p / seed: sampling; temperature 0 is greedy. With temperature > 0,
+      verification is lossless speculative sampling.
+    max_len: cache rows per sequence; default the padded prompt length + max_new_tokens + k + 1.
+    relaxed: (top_n, delta) for LOSSY relaxed acceptance (greedy only).
+    stream: called after each step with the tokens each sequence gained (runs the jitted step
+      from Python; without it the whole generation is one on-device `lax.while_loop`).
+  Returns:
+    GenerateOutput. stats: target_calls (forward passes per sequence, prefill included, summed),
+    verify_calls, accepted_tokens (emitted drafts), target_tokens (emitted target tokens;
+    accepted_tokens + target_tokens == generated_tokens), generated_tokens,
+    mean_accepted_length (tokens per verify step: (generated - prefill tokens) / verify_calls),
+    acceptance_per_position (k rates: P(draft i accepted | step)).
+  """
+  k = 0 if proposer is None else (num_drafts or proposer.cfg.num_modules)
+  _validate(target, proposer, prompts, max_new_tokens, k, eos_token_id)
+  if relaxed is not None and temperature != 0:
+    raise ValueError("relaxed acceptance is a greedy option; use temperature=0")
+  lens = np.array([len(p) for p in prompts], np.int32)
+  t = -(-int(lens.max()) // PROMPT_BUCKET) * PROMPT_BUCKET
+  needed = t + max_new_tokens + k + 1
+  if max_len is not None and max_len < needed:
+    raise ValueError(f"prompt too long for the cache: the longest prompt ({lens.max()} tokens, padded to {t}) "
+                     f"+ max_new_tokens ({max_new_tokens}) + k + 1 needs max_len >= {needed}, got {max_len}")
+  prompts_BxT = np.zeros((len(prompts), t), np.int32)
+  for i, p in enumerate(prompts):
+    prompts_BxT[i, :len(p)] = p
+  cfg = _Settings(k, max_new_tokens, float(temperature), top_k, top_p, eos_token_id,
+                  None if relaxed is None else (int(relaxed[0]), float(relaxed[1])))
+  key = jax.random.key(seed)
+  if stream is None:
+    s = _generate_on_device(target, proposer, prompts_BxT, lens, key, cfg)
+  else:
+    s = _start_jit(target, proposer, prompts_BxT, lens, key, cfg)
+    seen = np.zeros(len(prompts), np.int64)
+    while True:
+      num_out, out, done = np.asarray(s.num_out), np.asarray(s.out), np.asarray(s.done)
+      stream([out[i, seen[i]:num_out[i]].tolist() for i in range(len(prompts))])
+      seen = num_out
+      if done.all():
+        break
+      s = _step_jit(target, proposer, s, cfg)
+  return _output(s, k)
+
+
+def _output(s: LoopState, k: int) -> GenerateOutput:
+  num_out, out = np.asarray(s.num_out), np.asarray(s.out)
+  tokens = [out[i, :num_out[i]].tolist() for i in range(len(num_out))]
+  generated = int(num_out.sum())
+  verify_calls = int(np.asarray(s.verify_calls).sum())
+  prefill_tokens = len(tokens)
+  stats = dict(
+      generated_tokens=generated,
+      target_calls=int(np.asarray(s.target_calls).sum()),
+      verify_calls=verify_calls,
+      accepted_tokens=int(np.asarray(s.accepted).sum()),
+      target_tokens=int(np.asarray(s.target_tokens).sum()),
+      mean_accepted_length=(generated - prefill_tokens) / verify_calls if verify_calls else float("nan"),
+      acceptance_per_position=[int(c) / verify_calls if verify_calls else float("nan")
+                               for c in np.asarray(s.accepted_at)[:k]],
+  )
+  return GenerateOutput(tokens=tokens, stats=stats)

@@ -1,0 +1,100 @@
+"""The target model: a Llama / Qwen-style decoder built from the same Block as the MTP modules."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax.config import TargetConfig
+from mtp_jax.layers import Block, KVCache, Linear, RMSNorm
+from mtp_jax.mtp import Embed, assign_state_dict, param_names
+
+
+class TargetModel(nnx.Module):
+  """Embedding, N pre-norm blocks, final RMSNorm, LM head; a pytree, passed to jit as an argument."""
+
+  def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype, rngs=rngs)
+    self.layers = nnx.List([Block(cfg.block_config(), rngs=rngs) for _ in range(cfg.num_layers)])
+    self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=cfg.jnp_dtype)
+    self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.jnp_dtype, rngs=rngs)
+
+  def __call__(self, tokens_BxT, rows_BxT, valid_BxT, kv: tuple[KVCache, ...] | None):
+    """Runs tokens at cache rows rows_BxT (cache-free over this call's rows when kv is None).
+
+    Returns (logits float32[B, T, V], hiddens dtype[B, T, D] for the MTP chain, new kv or None).
+    """
+    h = self.embed_tokens(tokens_BxT)
+    new_kv = []
+    for i, layer in enumerate(self.layers):
+      h, cache = layer(h, rows_BxT, valid_BxT, None if kv is None else kv[i])
+      new_kv.append(cache)
+    normed = self.norm(h)
+    logits = self.lm_head(normed).astype(jnp.float32)
+    return logits, (normed if self.cfg.output_normed_hidden else h), (None if kv is None else tuple(new_kv))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TargetState:
+  """The target's KV caches (N x KVCache, dtype[B, L, Hkv, Dh]) and rows written, int32[B]."""
+
+  kv: tuple[KVCache, ...]
+  length: jax.Array
+
+  def set(self, **changes) -> "TargetState":
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def max_len(self) -> int:
+    return self.kv[0].k.shape[1]
+
+
+def init_target_state(cfg: TargetConfig, batch_size: int, max_len: int, *, dtype=None) -> TargetState:
+  """Empty caches for batch_size sequences of at most max_len positions."""
+  return TargetState(kv=tuple(KVCache.zeros(cfg, batch_size, max_len, dtype) for _ in range(cfg.num_layers)),
+                     length=jnp.zeros((batch_size,), jnp.int32))
+
+
+def target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B):
+  """Appends num_new_B[b] tokens (left-aligned in tokens_BxT: int32[B, T]) to each sequence.
+
+  Prefill is the call with the whole prompt; verification the call with [last token, d_1..d_k].
+  Rows past max_len are dropped, never wrapped (callers validate lengths first).
+  Returns (logits float32[B, T, V], hiddens dtype[B, T, D], new TargetState with length += num_new).
+  """
+  t = tokens_BxT.shape[1]
+  rows_BxT = state.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+  valid_BxT = jnp.arange(t)[None] < num_new_B[:, None]
+  logits, hiddens, kv = model(tokens_BxT, rows_BxT, valid_BxT, state.kv)
+  return logits, hiddens, state.set(kv=kv, length=state.length + num_new_B)
+
+
+def init_target(cfg: TargetConfig, seed: int = 0) -> TargetModel:
+  """Randomly initialised target (the same kind of object `load_target_state_dict` returns)."""
+  return TargetModel(cfg, rngs=nnx.Rngs(seed))
+
+
+def _hf_name(path: str) -> str:
+  return path if path.startswith("lm_head.") else "model." + path
+
+
+def target_state_dict(model: TargetModel) -> dict[str, jax.Array]:
+  """HF Llama names -> arrays (torch Linear layout); the inverse of `load_target_state_dict`."""
+  return {_hf_name(".".join(str(p) for p in path)): param[...]
+          for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+
+
+def load_target_state_dict(cfg: TargetConfig, tensors: Mapping) -> TargetModel:
+  """Builds a TargetModel from HF Llama names: model.embed_tokens.weight [V, D],
+  model.layers.{i}.input_layernorm.weight, model.layers.{i}.self_attn.{q,k,v,o}_proj.weight,
+  model.layers.{i}.post_attention_layernorm.weight, model.layers.{i}.mlp.{gate,up,down}_proj.weight,
+  model.norm.weight [D], lm_head.weight [V, D]. Errors name the tensor and the expected shape."""
+  model = init_target(cfg)
+  return assign_state_dict(model, param_names(model, _hf_name), tensors, cfg.jnp_dtype,
+                           "load_target_state_dict")

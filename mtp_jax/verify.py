@@ -1,0 +1,71 @@
+"""Verification of k drafts against the target's k + 1 distributions; pure, batched, jittable.
+
+Each rule returns (num_accepted int32[B] in 0..k, next_token int32[B]): the sequence grows by
+drafts[:, :a] followed by next_token (the target's correction or its bonus token).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax.sampling import filtered_probs
+
+
+def _first_rejection(accept_BxK: jax.Array) -> jax.Array:
+  """Length of the all-True prefix of each row: int32[B]."""
+  return jnp.sum(jnp.cumprod(accept_BxK.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+
+
+def _at(x_BxKx, a_B):
+  return jnp.take_along_axis(x_BxKx, a_B[:, None, None], axis=1)[:, 0]
+
+
+def verify_greedy(logits_BxK1xV: jax.Array, drafts_BxK: jax.Array):
+  """Accepts the longest prefix of drafts equal to the target's argmax; next token is the argmax after it.
+
+  logits_BxK1xV: float32[B, k + 1, V] target logits at [last token, d_1..d_k]; drafts_BxK: int32[B, k].
+  """
+  greedy_BxK1 = jnp.argmax(logits_BxK1xV, axis=-1).astype(jnp.int32)
+  a_B = _first_rejection(drafts_BxK == greedy_BxK1[:, :-1])
+  return a_B, jnp.take_along_axis(greedy_BxK1, a_B[:, None], axis=1)[:, 0]
+
+
+def verify_sampling(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV, key, *, temperature: float,
+                    top_k: int | None = None, top_p: float | None = None):
+  """Lossless speculative sampling (Leviathan et al. 2023; Chen et al. 2023).
+
+  Draft x_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the
+  next token is drawn from norm(max(0, p_i - q_i)); if all k are accepted, from p_k. p is the target's
+  filtered distribution, q the one the drafts were drawn from (draft_probs_BxKxV: float32[B, k, V]).
+  The output is distributed exactly as sampling from p alone.
+  """
+  p_BxK1xV = filtered_probs(logits_BxK1xV, temperature=temperature, top_k=top_k, top_p=top_p)
+  k = drafts_BxK.shape[1]
+  p_d = jnp.take_along_axis(p_BxK1xV[:, :k], drafts_BxK[..., None], axis=-1)[..., 0]
+  q_d = jnp.take_along_axis(draft_probs_BxKxV, drafts_BxK[..., None], axis=-1)[..., 0]
+  key_u, key_next = jax.random.split(key)
+  u_BxK = jax.random.uniform(key_u, drafts_BxK.shape)
+  # u < p/q written without the division: q_d > 0 for any token the draft could have drawn.
+  a_B = _first_rejection(u_BxK * q_d < p_d)
+  q_pad = jnp.concatenate([draft_probs_BxKxV, jnp.zeros_like(p_BxK1xV[:, :1])], axis=1)
+  residual_BxV = jnp.maximum(_at(p_BxK1xV, a_B) - _at(q_pad, a_B), 0.0)
+  # When p == q exactly the residual is empty; rejection then had probability 0, so p is a fallback
+  # that only guards against float rounding.
+  mass_B = jnp.sum(residual_BxV, axis=-1, keepdims=True)
+  residual_BxV = jnp.where(mass_B > 0, residual_BxV, _at(p_BxK1xV, a_B))
+  next_B = jax.random.categorical(key_next, jnp.log(residual_BxV), axis=-1).astype(jnp.int32)
+  return a_B, next_B
+
+
+def verify_relaxed(logits_BxK1xV, drafts_BxK, *, top_n: int, delta: float):
+  """LOSSY relaxed acceptance (greedy): accepts a draft that is among the target's top_n tokens and
+  whose probability is within delta of the top-1's. Output may differ from the target's greedy output."""
+  probs = jax.nn.softmax(logits_BxK1xV.astype(jnp.float32), axis=-1)
+  k = drafts_BxK.shape[1]
+  top_vals, top_ids = jax.lax.top_k(probs[:, :k], top_n)
+  in_top = jnp.any(top_ids == drafts_BxK[..., None], axis=-1)
+  p_d = jnp.take_along_axis(probs[:, :k], drafts_BxK[..., None], axis=-1)[..., 0]
+  a_B = _first_rejection(in_top & (p_d >= top_vals[..., 0] - delta))
+  greedy_BxK1 = jnp.argmax(logits_BxK1xV, axis=-1).astype(jnp.int32)
+  return a_B, jnp.take_along_axis(greedy_BxK1, a_B[:, None], axis=1)[:, 0]
