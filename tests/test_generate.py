@@ -1,0 +1,148 @@
+"""The serving loop: greedy speculative == greedy autoregressive, lossless sampling end to end, stats, errors."""
+
+import importlib
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mtp_jax
+from mtp_jax import verify
+
+from test_verify import _chi2_pvalue
+
+# The submodule, not the function of the same name that mtp_jax exports.
+gen_lib = importlib.import_module("mtp_jax.generate")
+
+K = 3
+
+
+def _models(v, seed=0):
+  common = dict(vocab_size=v, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64)
+  target = mtp_jax.init_target(mtp_jax.TargetConfig(num_layers=2, **common), seed)
+  proposer = mtp_jax.init_mtp(mtp_jax.MtpConfig(num_modules=K, **common), seed + 1)
+  return target, proposer
+
+
+# A 5-token vocabulary makes random drafts right often enough to exercise every accept count.
+TARGET5, PROPOSER5 = _models(5)
+PROMPTS5 = [[1, 2, 3], [4, 0, 1, 2, 3, 4, 0, 1], [3]]
+
+
+@pytest.mark.parametrize("k", range(1, K + 1))
+def test_greedy_speculative_equals_autoregressive(k):
+  base = mtp_jax.generate(TARGET5, None, PROMPTS5, 24)
+  out = mtp_jax.generate(TARGET5, PROPOSER5, PROMPTS5, 24, num_drafts=k)
+  assert out.tokens == base.tokens
+  assert out.stats["accepted_tokens"] > 0  # the comparison covered accepted drafts
+  assert out.stats["verify_calls"] < base.stats["verify_calls"]
+
+
+def test_greedy_equality_with_eos_and_larger_vocab():
+  target, proposer = _models(64, seed=4)
+  prompts = [[5, 6, 7, 8], [9] * 20, [1, 2]]
+  base = mtp_jax.generate(target, None, prompts, 30, eos_token_id=3)
+  out = mtp_jax.generate(target, proposer, prompts, 30, num_drafts=K, eos_token_id=3)
+  assert out.tokens == base.tokens
+  streamed = [[] for _ in prompts]
+  out_s = mtp_jax.generate(target, proposer, prompts, 30, num_drafts=K, eos_token_id=3,
+                           stream=lambda new: [s.extend(n) for s, n in zip(streamed, new)])
+  assert out_s.tokens == base.tokens == streamed
+
+
+def test_eos_ends_a_sequence():
+  base = mtp_jax.generate(TARGET5, None, PROMPTS5, 24)
+  eos = base.tokens[0][4]
+  out = mtp_jax.generate(TARGET5, PROPOSER5, PROMPTS5, 24, num_drafts=2, eos_token_id=eos)
+  for got, full in zip(out.tokens, base.tokens):
+    cut = full.index(eos) + 1 if eos in full else len(full)
+    assert got == full[:cut]
+
+
+def test_stats_are_exact_counts():
+  out = mtp_jax.generate(TARGET5, PROPOSER5, PROMPTS5, 17, num_drafts=K, eos_token_id=2)
+  s = out.stats
+  generated = sum(len(t) for t in out.tokens)
+  assert s["generated_tokens"] == generated == s["accepted_tokens"] + s["target_tokens"]
+  assert s["target_calls"] == s["verify_calls"] + len(PROMPTS5)
+  assert s["target_tokens"] <= s["target_calls"]
+  assert len(s["acceptance_per_position"]) == K
+  rates = s["acceptance_per_position"]
+  assert all(r1 >= r2 for r1, r2 in zip(rates, rates[1:]))  # draft i+1 is accepted only after draft i
+  plain = mtp_jax.generate(TARGET5, None, PROMPTS5, 17, eos_token_id=2).stats
+  assert plain["target_calls"] == plain["generated_tokens"] and plain["accepted_tokens"] == 0
+
+
+def _exact_joint(target, prompt, v, n):
+  """P(x_1..x_n | prompt) for every continuation, from the target's own distributions."""
+  probs = {}
+  for cont in itertools.product(range(v), repeat=n):
+    seq = jnp.asarray([prompt + list(cont)], jnp.int32)
+    t = seq.shape[1]
+    logits, _, _ = target(seq, jnp.arange(t)[None], jnp.ones((1, t), bool), None)
+    p = jax.nn.softmax(logits[0], axis=-1)
+    probs[cont] = float(np.prod([p[len(prompt) - 1 + i, c] for i, c in enumerate(cont)]))
+  return probs
+
+
+def _sampled_joint(target, proposer, prompt, n, copies, seed):
+  out = mtp_jax.generate(target, proposer, [prompt] * copies, n, num_drafts=2, temperature=1.0, seed=seed)
+  counts = {}
+  for toks in out.tokens:
+    counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
+  return counts
+
+
+@pytest.mark.slow
+def test_speculative_sampling_matches_target_distribution(monkeypatch):
+  """3 tokens over a 3-token vocabulary (27 outcomes): the speculative loop samples the target's
+  joint distribution; the same loop with a wrong residual rule is caught by the same test."""
+  v, n, copies = 3, 3, 6000
+  target, proposer = _models(v, seed=2)
+  prompt = [0, 1, 2, 1]
+  exact = _exact_joint(target, prompt, v, n)
+  keys = sorted(exact)
+  p = np.array([exact[c] for c in keys])
+  counts = _sampled_joint(target, proposer, prompt, n, copies, seed=0)
+  assert _chi2_pvalue(np.array([counts.get(c, 0) for c in keys]), p) > 1e-3
+
+  def wrong(logits, drafts, q, key, *, temperature, top_k=None, top_p=None):
+    a, _ = verify.verify_sampling(logits, drafts, q, key, temperature=temperature)
+    at = jnp.take_along_axis(logits, a[:, None, None], axis=1)[:, 0]
+    return a, jax.random.categorical(jax.random.fold_in(key, 7), at / temperature).astype(jnp.int32)
+
+  monkeypatch.setattr(gen_lib, "verify_sampling", wrong)
+  jax.clear_caches()
+  counts = _sampled_joint(target, proposer, prompt, n, copies, seed=0)
+  jax.clear_caches()
+  assert _chi2_pvalue(np.array([counts.get(c, 0) for c in keys]), p) < 1e-6
+
+
+class TestErrors:
+
+  def test_empty_prompt(self):
+    with pytest.raises(ValueError, match=r"prompts\[1\] is empty"):
+      mtp_jax.generate(TARGET5, PROPOSER5, [[1], []], 4)
+
+  def test_token_out_of_range(self):
+    with pytest.raises(ValueError, match=r"prompts\[0\] has token id\(s\) \[7\] outside 0..vocab_size-1=4"):
+      mtp_jax.generate(TARGET5, PROPOSER5, [[1, 7]], 4)
+
+  def test_prompt_longer_than_cache(self):
+    with pytest.raises(ValueError, match=r"prompt too long for the cache.*needs max_len >= 46, got 40"):
+      mtp_jax.generate(TARGET5, PROPOSER5, [[1] * 33], 10, num_drafts=2, max_len=40)
+
+  def test_max_new_tokens(self):
+    with pytest.raises(ValueError, match=r"max_new_tokens must be an int >= 1, got 0"):
+      mtp_jax.generate(TARGET5, PROPOSER5, [[1]], 0)
+
+  def test_vocab_mismatch(self):
+    _, other = _models(6)
+    with pytest.raises(ValueError, match=r"vocab mismatch: target vocab_size=5, proposer vocab_size=6"):
+      mtp_jax.generate(TARGET5, other, [[1]], 4)
+
+  def test_num_drafts(self):
+    with pytest.raises(ValueError, match=r"num_drafts must be in 1..num_modules=3, got 4"):
+      mtp_jax.generate(TARGET5, PROPOSER5, [[1]], 4, num_drafts=4)
