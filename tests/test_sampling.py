@@ -1,0 +1,39 @@
+"""Draft / target distributions: temperature, top-k, top-p."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtp_jax.sampling import filtered_probs, sample
+
+LOGITS = jnp.log(jnp.asarray([[0.5, 0.2, 0.15, 0.1, 0.05]]))
+
+
+def test_greedy_is_one_hot_argmax():
+  np.testing.assert_array_equal(filtered_probs(LOGITS, temperature=0.0), [[1, 0, 0, 0, 0]])
+  tok, _ = sample(LOGITS, None, temperature=0.0)
+  assert int(tok[0]) == 0
+
+
+def test_top_k_and_top_p_keep_the_right_sets():
+  np.testing.assert_allclose(filtered_probs(LOGITS, temperature=1.0, top_k=2), [[5 / 7, 2 / 7, 0, 0, 0]], rtol=1e-6)
+  # Mass before each token: 0, .5, .7, .85, .95 -> top_p=0.8 keeps the first three.
+  np.testing.assert_allclose(filtered_probs(LOGITS, temperature=1.0, top_p=0.8),
+                             [[0.5 / 0.85, 0.2 / 0.85, 0.15 / 0.85, 0, 0]], rtol=1e-6)
+  np.testing.assert_allclose(filtered_probs(LOGITS, temperature=1.0, top_p=0.3), [[1, 0, 0, 0, 0]], rtol=1e-6)
+
+
+def test_temperature_sharpens_and_sampling_follows_the_distribution():
+  p = filtered_probs(LOGITS, temperature=0.5)
+  np.testing.assert_allclose(p, jax.nn.softmax(LOGITS / 0.5), rtol=1e-6)
+  toks, _ = sample(jnp.broadcast_to(LOGITS, (20000, 5)), jax.random.key(0), temperature=1.0, top_k=3)
+  freq = np.bincount(np.asarray(toks), minlength=5) / 20000
+  np.testing.assert_allclose(freq, [0.5 / 0.85, 0.2 / 0.85, 0.15 / 0.85, 0, 0], atol=0.015)
+
+
+def test_bad_settings():
+  with pytest.raises(ValueError, match=r"top_p must be in \(0, 1\], got 1.5"):
+    filtered_probs(LOGITS, temperature=1.0, top_p=1.5)
+  with pytest.raises(ValueError, match=r"top_k must be >= 1, got 0"):
+    filtered_probs(LOGITS, temperature=1.0, top_k=0)
