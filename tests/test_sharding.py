@@ -1,0 +1,210 @@
+"""Sharding over a ("data", "model") mesh: sharded propose / generate give the single-device results.
+
+pytest's process has one CPU device, so the sharded runs happen in a child process started with
+XLA_FLAGS=--xla_force_host_platform_device_count=4: this file run as a script (`python
+tests/test_sharding.py propose|generate`) prints one JSON line that the tests check. The
+two-process test launches examples/distributed_loopback.py workers on 127.0.0.1.
+"""
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+
+import mtp_jax
+from mtp_jax import sharding
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+MESHES = [(2, 2), (4, 1), (1, 4)]
+K, B = 2, 4
+
+
+def _env(devices: int) -> dict:
+  path = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
+  return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONPATH=path,
+              JAX_PLATFORMS="cpu")
+
+
+def _child(what: str, timeout_s: float = 300) -> dict:
+  r = subprocess.run([sys.executable, __file__, what], env=_env(4), capture_output=True, text=True,
+                     timeout=timeout_s)
+  assert r.returncode == 0, f"child {what!r} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+  return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def propose_runs():
+  return _child("propose")
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"{m[0]}x{m[1]}")
+def test_sharded_drafts_equal_single_device(propose_runs, mesh):
+  run = propose_runs[f"{mesh[0]}x{mesh[1]}"]
+  want = np.array(propose_runs["single"])
+  assert want.shape == (4, B, K)
+  np.testing.assert_array_equal(np.array(run["drafts"]), want)
+
+
+@pytest.mark.parametrize("mesh", MESHES, ids=lambda m: f"{m[0]}x{m[1]}")
+def test_params_and_output_states_are_sharded(propose_runs, mesh):
+  data, model = mesh
+  run = propose_runs[f"{data}x{model}"]
+  heads_split = 2 % model == 0  # num_kv_heads = 2
+  kv_spec = ["data", None, "model" if heads_split else None, None]
+  assert run["state_in"]["kv"] == kv_spec
+  # After propose / after_verify the caches came out of jit still split, not gathered.
+  assert run["state_out"]["kv_equivalent"] is True
+  assert run["state_out"]["kv_shard"] == [B // data, 32, 2 // model if heads_split else 2, 8]
+  assert run["state_out"]["num_pos_shard"] == [B // data]
+  assert run["state_out"]["lengths_shard"] == [K, B // data]
+  q, kproj, o, gate, down = (run["params"][n] for n in ("q_proj", "k_proj", "o_proj", "gate_proj", "down_proj"))
+  assert q == {"spec": ["model", None], "shard": [32 // model, 32]}  # H * Dh = 32 rows
+  assert o == {"spec": [None, "model"], "shard": [32, 32 // model]}
+  assert gate == {"spec": ["model", None], "shard": [64 // model, 32]}
+  assert down == {"spec": [None, "model"], "shard": [32, 64 // model]}
+  assert kproj == ({"spec": ["model", None], "shard": [16 // model, 32]} if heads_split
+                   else {"spec": [], "shard": [16, 32]})
+  assert run["params"]["embed_tokens"] == {"spec": [], "shard": [48, 32]}
+  assert run["params"]["lm_head"] == {"spec": [], "shard": [48, 32]}
+
+
+def test_shard_state_under_jit_constrains(propose_runs):
+  assert propose_runs["jit_state"] == {"kv_equivalent": True, "kv_shard": [2, 32, 1, 8]}
+
+
+def test_batch_not_divisible_stays_replicated(propose_runs):
+  odd = propose_runs["odd_batch"]
+  assert odd["kv"] == [None, None, "model", None]
+  assert odd["lengths"] == [None, None]
+  assert odd["batch_input"] == [None, None]
+
+
+@pytest.mark.slow
+def test_sharded_generate_equals_unsharded():
+  runs = _child("generate")
+  assert runs["sharded"] == runs["single"]
+  assert runs["accepted"] > 0  # drafts were accepted, so the comparison covered the chain
+
+
+def test_errors():
+  with pytest.raises(ValueError, match=r"data \* model must equal the number of devices"):
+    sharding.make_mesh(2, jax.device_count())
+  with pytest.raises(ValueError, match="model must be a positive int"):
+    sharding.make_mesh(1, 0)
+  mesh = sharding.make_mesh(1, 1)
+  assert mesh.axis_names == ("data", "model")
+  cfg = mtp_jax.MtpConfig(vocab_size=8, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                          intermediate_size=8, num_modules=1)
+  with pytest.raises(TypeError, match="model must be an MtpModel or TargetModel"):
+    sharding.param_specs({"w": np.zeros(2)}, mesh)
+  with pytest.raises(TypeError, match="state must be a ProposerState or TargetState"):
+    sharding.state_specs({"kv": np.zeros(2)}, mesh)
+  other = jax.make_mesh((1,), ("batch",))
+  with pytest.raises(ValueError, match=r"axes \('data', 'model'\)"):
+    sharding.param_specs(mtp_jax.init_mtp(cfg), other)
+  with pytest.raises(ValueError, match="leading batch axis"):
+    sharding.shard_batch(np.float32(1), mesh)
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_on_loopback():
+  script = ROOT / "examples" / "distributed_loopback.py"
+  port = _free_port()
+  procs = [subprocess.Popen([sys.executable, str(script), "--worker", "--process-id", str(i), "--port", str(port)],
+                            env=_env(2), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+           for i in range(2)]
+  outs = []
+  try:
+    for p in procs:
+      outs.append(p.communicate(timeout=300))
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+        p.wait()
+  for i, (p, (out, err)) in enumerate(zip(procs, outs)):
+    assert p.returncode == 0, f"process {i} failed:\n{out[-2000:]}\n{err[-4000:]}"
+    assert f"process {i}/2: 4 devices (2 local)" in out
+    assert "drafts match the single-device run" in out
+    assert "local shard (2, 32, 1, 8)" in out  # batch and KV heads both split across the 4 devices
+
+
+# ---- the child process (4 CPU devices) ----
+
+def _spec(x) -> list:
+  return list(x.sharding.spec)
+
+
+def _shard_shape(x) -> list:
+  return list(x.addressable_shards[0].data.shape)
+
+
+def _laid_out_as(x, mesh, spec) -> bool:
+  return x.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), x.ndim)
+
+
+def _propose_child() -> dict:
+  sys.path.insert(0, str(ROOT / "examples"))
+  from distributed_loopback import BATCH, MAX_LEN, drive
+
+  assert (BATCH, MAX_LEN) == (B, 32)
+  cfg = mtp_jax.MtpConfig(vocab_size=48, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8,
+                          intermediate_size=64, num_modules=K)
+  params = mtp_jax.init_mtp(cfg, seed=5)
+  result = {"single": drive(params, mtp_jax.init_state(cfg, B, MAX_LEN), np.asarray, np.asarray)[0].tolist()}
+  for data, model in MESHES:
+    mesh = sharding.make_mesh(data, model)
+    sparams = sharding.shard_params(params, mesh)
+    state = sharding.shard_state(mtp_jax.init_state(cfg, B, MAX_LEN), mesh)
+    drafts, out = drive(sparams, state, lambda x: sharding.shard_batch(x, mesh), np.asarray,
+                        lambda s: sharding.shard_state(s, mesh))
+    attn, mlp = sparams.layers[0].block.self_attn, sparams.layers[0].block.mlp
+    weights = dict(q_proj=attn.q_proj, k_proj=attn.k_proj, o_proj=attn.o_proj, gate_proj=mlp.gate_proj,
+                   down_proj=mlp.down_proj, embed_tokens=sparams.embed_tokens, lm_head=sparams.lm_head)
+    kv = out.kv[-1].k
+    result[f"{data}x{model}"] = {
+        "drafts": drafts.tolist(),
+        "state_in": {"kv": _spec(state.kv[0].k)},
+        "state_out": {"kv_equivalent": _laid_out_as(kv, mesh, sharding.state_specs(state, mesh).kv[-1].k),
+                      "kv_shard": _shard_shape(kv),
+                      "num_pos_shard": _shard_shape(out.num_pos), "lengths_shard": _shard_shape(out.lengths)},
+        "params": {n: {"spec": _spec(w.weight[...]), "shard": _shard_shape(w.weight[...])}
+                   for n, w in weights.items()},
+    }
+  mesh = sharding.make_mesh(2, 2)
+  state = jax.jit(lambda: sharding.shard_state(mtp_jax.init_state(cfg, B, MAX_LEN), mesh))()
+  kv = state.kv[0].k
+  result["jit_state"] = {"kv_equivalent": _laid_out_as(kv, mesh, sharding.state_specs(state, mesh).kv[0].k),
+                         "kv_shard": _shard_shape(kv)}
+  odd = sharding.state_specs(mtp_jax.init_state(cfg, 3, 8), mesh)
+  result["odd_batch"] = {"kv": list(odd.kv[0].k), "lengths": list(odd.lengths),
+                         "batch_input": _spec(sharding.shard_batch(np.zeros((3, 2)), mesh))}
+  return result
+
+
+def _generate_child() -> dict:
+  common = dict(vocab_size=16, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64)
+  target = mtp_jax.init_target(mtp_jax.TargetConfig(num_layers=1, **common), 0)
+  proposer = mtp_jax.init_mtp(mtp_jax.MtpConfig(num_modules=K, **common), 1)
+  prompts = [[1, 2, 3], [4, 0, 1, 2, 3, 4, 0, 1], [3], [5, 5, 6]]
+  single = mtp_jax.generate(target, proposer, prompts, 20, num_drafts=K)
+  mesh = sharding.make_mesh(2, 2)
+  sharded = mtp_jax.generate(sharding.shard_params(target, mesh), sharding.shard_params(proposer, mesh),
+                             prompts, 20, num_drafts=K)
+  return {"single": single.tokens, "sharded": sharded.tokens, "accepted": sharded.stats["accepted_tokens"]}
+
+
+if __name__ == "__main__":
+  print(json.dumps({"propose": _propose_child, "generate": _generate_child}[sys.argv[1]]()))
