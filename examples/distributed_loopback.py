@@ -22,6 +22,7 @@ import sys
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 
 import mtp_jax
 from mtp_jax import sharding
@@ -75,7 +76,6 @@ def worker(process_id: int, port: int) -> int:
 
   data = NUM_PROCESSES
   mesh = sharding.make_mesh(data, jax.device_count() // data)
-  from jax.experimental import multihost_utils
   got, state = drive(sharding.shard_params(params, mesh), mtp_jax.init_state(CFG, BATCH, MAX_LEN),
                      lambda x: sharding.shard_batch(x, mesh),
                      lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True)),
