@@ -4,6 +4,11 @@ Per sequence b the loop keeps `last[b]`, the newest emitted token (not yet run b
 and `drafts[b]`, the k drafts that follow it. A step runs the target on [last, d_1..d_k]
 (rows L..L+k of its cache), accepts a drafts, emits d_1..d_a and the target's next token, keeps
 the target cache rows of [last, d_1..d_a], and hands the chain exactly those a + 1 positions.
+
+With a grammar, `grammar_state[b]` is the state after every emitted token (`last` included).
+Verify position i is masked with the state after [emitted, d_1..d_i] (`states_along`), the
+state then advances over the accepted drafts and the next token, and the chain drafts from it,
+each draft masked with the state after the drafts before it. All of it runs on device.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax import grammar as grammar_lib
 from mtp_jax import proposer as prop
 from mtp_jax.mtp import MtpModel
 from mtp_jax.sampling import sample
@@ -23,6 +29,7 @@ from mtp_jax.target import TargetModel, TargetState, init_target_state, target_s
 from mtp_jax.verify import verify_greedy, verify_relaxed, verify_sampling
 
 PROMPT_BUCKET = 32  # prompts are padded to a multiple of this: one compile per bucket
+DRAFT_MASKS = ("per_position", "first", "none")
 
 
 @dataclasses.dataclass
@@ -42,6 +49,7 @@ class LoopState:
   proposer: prop.ProposerState | None
   last: jax.Array            # int32[B]
   drafts: jax.Array          # int32[B, k]
+  grammar_state: jax.Array | None  # int32[B], after the emitted tokens; None without a grammar
   out: jax.Array             # int32[B, max_new + k + 1], emitted tokens
   num_out: jax.Array         # int32[B]
   done: jax.Array            # bool[B]
@@ -65,6 +73,8 @@ class _Settings:
   top_p: float | None
   eos_token_id: int | None
   relaxed: tuple[int, float] | None
+  max_len: int
+  draft_masks: str
 
 
 def _emit(s: LoopState, new_BxJ, n_emit_B, cfg: _Settings, active_B) -> LoopState:
@@ -84,33 +94,51 @@ def _emit(s: LoopState, new_BxJ, n_emit_B, cfg: _Settings, active_B) -> LoopStat
   return s.set(out=out, num_out=num_out, done=done), n
 
 
-def _start(target, proposer, prompts_BxT, lens_B, key, cfg: _Settings) -> LoopState:
+def _masked(grammar, logits_BxXxV, state_BxX):
+  """Logits float32[B, ..., V] with the tokens the grammar forbids at states int32[B, ...] masked."""
+  if grammar is None:
+    return logits_BxXxV
+  mask = grammar_lib.token_mask(grammar, state_BxX, logits_BxXxV.shape[-1])
+  return grammar_lib.apply_mask(logits_BxXxV, mask)
+
+
+def _draft(proposer, grammar, pstate, hid, tokens, num_new_B, gstate_B, key, cfg: _Settings):
+  """propose(); with a grammar, drafts are masked as cfg.draft_masks says (an ablation switch)."""
+  draft_grammar = None if cfg.draft_masks == "none" else grammar
+  return prop._propose(proposer, pstate, hid, tokens, num_new_B, cfg.num_drafts, key, cfg.temperature,
+                       cfg.top_k, cfg.top_p, draft_grammar, None if draft_grammar is None else gstate_B,
+                       False, cfg.draft_masks == "per_position")
+
+
+def _start(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key, cfg: _Settings) -> LoopState:
   b, t = prompts_BxT.shape
   k = cfg.num_drafts
-  max_len = t + cfg.max_new_tokens + k + 1
-  tstate = init_target_state(target.cfg, b, max_len)
+  tstate = init_target_state(target.cfg, b, cfg.max_len)
   logits, hid, tstate = target_step(target, tstate, prompts_BxT, lens_B)
   key, k_first, k_draft = jax.random.split(key, 3)
   last_logits = jnp.take_along_axis(logits, (lens_B - 1)[:, None, None], axis=1)[:, 0]
-  first_B, _ = sample(last_logits, k_first, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+  first_B, _ = sample(_masked(grammar, last_logits, gstate_B), k_first, temperature=cfg.temperature,
+                      top_k=cfg.top_k, top_p=cfg.top_p)
+  if grammar is not None:
+    gstate_B = grammar_lib.advance(grammar, gstate_B, first_B)
   one = jnp.ones((b,), jnp.int32)
   s = LoopState(target=tstate, proposer=None, last=first_B, drafts=jnp.zeros((b, k), jnp.int32),
+                grammar_state=gstate_B,
                 out=jnp.zeros((b, cfg.max_new_tokens + k + 1), jnp.int32), num_out=jnp.zeros((b,), jnp.int32),
                 done=jnp.zeros((b,), bool), key=key, target_calls=one, verify_calls=0 * one,
                 accepted=0 * one, target_tokens=one, accepted_at=jnp.zeros((k,), jnp.int32))
   s, _ = _emit(s, first_B[:, None], one, cfg, jnp.ones((b,), bool))
   if proposer is None:
     return s
-  pstate = prop.init_state(proposer.cfg, b, max_len, keep_draft_probs=cfg.temperature > 0)
+  pstate = prop.init_state(proposer.cfg, b, cfg.max_len, keep_draft_probs=cfg.temperature > 0)
   # Position j's token is t_{j+1}: the prompt shifted left, with the first generated token at the end.
   tokens = jnp.concatenate([prompts_BxT[:, 1:], prompts_BxT[:, :1]], axis=1)
   tokens = tokens.at[jnp.arange(b), lens_B - 1].set(first_B)
-  drafts, pstate = prop._propose(proposer, pstate, hid, tokens, lens_B, k, k_draft, cfg.temperature,
-                                 cfg.top_k, cfg.top_p, None, None, False)
+  drafts, pstate = _draft(proposer, grammar, pstate, hid, tokens, lens_B, gstate_B, k_draft, cfg)
   return s.set(proposer=pstate, drafts=drafts)
 
 
-def _step(target, proposer, s: LoopState, cfg: _Settings) -> LoopState:
+def _step(target, proposer, grammar, s: LoopState, cfg: _Settings) -> LoopState:
   k = cfg.num_drafts
   b = s.last.shape[0]
   active_B = ~s.done
@@ -118,11 +146,21 @@ def _step(target, proposer, s: LoopState, cfg: _Settings) -> LoopState:
   inp_BxK1 = jnp.concatenate([s.last[:, None], s.drafts], axis=1)
   old_len = s.target.length
   logits, hid, tstate = target_step(target, s.target, inp_BxK1, jnp.where(active_B, k + 1, 0))
+  if grammar is not None:
+    # Position i gives the token after [emitted, d_1..d_i].
+    gstates_BxK1 = grammar_lib.states_along(grammar, s.grammar_state, s.drafts)
+    mask_BxK1xV = grammar_lib.token_mask(grammar, gstates_BxK1, logits.shape[-1])
+    logits = grammar_lib.apply_mask(logits, mask_BxK1xV)
   if proposer is None:
     a_B = jnp.zeros((b,), jnp.int32)
     next_B, _ = sample(logits[:, 0], k_verify, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
   elif cfg.relaxed is not None:
     a_B, next_B = verify_relaxed(logits, s.drafts, top_n=cfg.relaxed[0], delta=cfg.relaxed[1])
+    if grammar is not None:
+      # A draft of probability 0 passes the relaxed test when the top-1 probability is <= delta.
+      allowed_BxK = jnp.take_along_axis(mask_BxK1xV[:, :k], s.drafts[..., None], axis=-1)[..., 0]
+      a_B = jnp.minimum(a_B, jnp.sum(jnp.cumprod(allowed_BxK, axis=1), axis=1).astype(jnp.int32))
+      next_B = jnp.argmax(jnp.take_along_axis(logits, a_B[:, None, None], axis=1)[:, 0], axis=-1).astype(jnp.int32)
   elif cfg.temperature == 0:
     a_B, next_B = verify_greedy(logits, s.drafts)
   else:
@@ -138,26 +176,31 @@ def _step(target, proposer, s: LoopState, cfg: _Settings) -> LoopState:
               target_calls=s.target_calls + active_B, verify_calls=s.verify_calls + active_B,
               accepted=s.accepted + jnp.minimum(a_B, n_B), target_tokens=s.target_tokens + (n_B == a_B + 1),
               accepted_at=s.accepted_at + jnp.sum(active_B[:, None] & (jnp.arange(k)[None] < a_B[:, None]), axis=0))
+  if grammar is not None:
+    after_drafts_B = jnp.take_along_axis(gstates_BxK1, a_B[:, None], axis=1)[:, 0]
+    s2 = s2.set(grammar_state=jnp.where(active_B, grammar_lib.advance(grammar, after_drafts_B, next_B),
+                                        s.grammar_state))
   if proposer is None:
     return s2
   pstate = prop._after_verify(s.proposer, a_B)
   num_new = jnp.where(s2.done, 0, a_B + 1)
-  drafts, pstate = prop._propose(proposer, pstate, hid, new_BxK1, num_new, k, k_draft, cfg.temperature,
-                                 cfg.top_k, cfg.top_p, None, None, False)
+  drafts, pstate = _draft(proposer, grammar, pstate, hid, new_BxK1, num_new, s2.grammar_state, k_draft, cfg)
   return s2.set(proposer=pstate, drafts=drafts)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",))
-def _generate_on_device(target, proposer, prompts_BxT, lens_B, key, cfg: _Settings) -> LoopState:
-  s = _start(target, proposer, prompts_BxT, lens_B, key, cfg)
-  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: _step(target, proposer, s, cfg), s)
+def _generate_on_device(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key,
+                        cfg: _Settings) -> LoopState:
+  s = _start(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key, cfg)
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: _step(target, proposer, grammar, s, cfg), s)
 
 
 _start_jit = jax.jit(_start, static_argnames=("cfg",))
 _step_jit = jax.jit(_step, static_argnames=("cfg",), donate_argnames=("s",))
 
 
-def _validate(target, proposer, prompts, max_new_tokens, num_drafts, eos_token_id):
+def _validate(target, proposer, prompts, max_new_tokens, num_drafts, eos_token_id, grammar, constrained,
+              draft_masks):
   v = target.cfg.vocab_size
   if proposer is not None:
     if proposer.cfg.vocab_size != v:
@@ -179,6 +222,24 @@ def _validate(target, proposer, prompts, max_new_tokens, num_drafts, eos_token_i
       raise ValueError(f"prompts[{i}] has token id(s) {bad[:5]} outside 0..vocab_size-1={v - 1}")
   if eos_token_id is not None and not 0 <= eos_token_id < v:
     raise ValueError(f"eos_token_id={eos_token_id} outside 0..vocab_size-1={v - 1}")
+  if draft_masks not in DRAFT_MASKS:
+    raise ValueError(f"draft_masks must be one of {DRAFT_MASKS}, got {draft_masks!r}")
+  if grammar is None:
+    if constrained is not None:
+      raise ValueError("constrained needs a grammar")
+    return
+  if not isinstance(grammar, grammar_lib.Grammar):
+    raise TypeError(f"grammar must be a mtp_jax.grammar.Grammar, got {type(grammar).__name__}")
+  if eos_token_id is None:
+    raise ValueError("a grammar ends sequences with eos: pass eos_token_id "
+                     f"(the grammar's is {grammar.eos_token_id})")
+  if eos_token_id != grammar.eos_token_id:
+    raise ValueError(f"eos_token_id={eos_token_id} differs from the grammar's eos_token_id="
+                     f"{grammar.eos_token_id}")
+  if grammar.vocab_size > v:
+    raise ValueError(f"grammar has {grammar.vocab_size} tokens, more than the target's vocab_size={v}")
+  if constrained is not None and len(constrained) != len(prompts):
+    raise ValueError(f"constrained must have one bool per prompt ({len(prompts)}), got {len(constrained)}")
 
 
 def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[Sequence[int]],
@@ -186,7 +247,9 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
              top_k: int | None = None, top_p: float | None = None, seed: int = 0,
              eos_token_id: int | None = None, *, max_len: int | None = None,
              relaxed: tuple[int, float] | None = None,
-             stream: Callable[[list[list[int]]], None] | None = None) -> GenerateOutput:
+             stream: Callable[[list[list[int]]], None] | None = None,
+             grammar: grammar_lib.Grammar | None = None, constrained: Sequence[bool] | None = None,
+             draft_masks: str = "per_position") -> GenerateOutput:
   """Speculative decoding with the MTP chain (or plain autoregressive decoding if proposer is None).
 
   Args:
@@ -195,10 +258,22 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
     num_drafts: k, 1..K (default K).
     temperature / top_k / top_p / seed: sampling; temperature 0 is greedy. With temperature > 0,
       verification is lossless speculative sampling.
-    max_len: cache rows per sequence; default the padded prompt length + max_new_tokens + k + 1.
+    max_len: cache rows per sequence, at least the longest prompt + max_new_tokens + k + 1;
+      default the padded prompt length + max_new_tokens + k + 1.
     relaxed: (top_n, delta) for LOSSY relaxed acceptance (greedy only).
     stream: called after each step with the tokens each sequence gained (runs the jitted step
       from Python; without it the whole generation is one on-device `lax.while_loop`).
+    grammar: a `mtp_jax.grammar.Grammar` every constrained sequence's output must match; needs
+      eos_token_id equal to the grammar's. Each emitted token is drawn from the target masked
+      with the grammar state before it (greedy output equals constrained greedy decoding without
+      a proposer; sampling stays lossless w.r.t. the masked target). A sequence ends with eos
+      once its state is DONE or allows nothing else; output cut by max_new_tokens before that
+      is an unfinished match.
+    constrained: bool per prompt (default all True): False rows decode free of the grammar.
+    draft_masks: how drafts are masked, for ablations: "per_position" (each draft with the
+      state after the drafts before it), "first" (all with the state after the emitted tokens,
+      as the seed proposer did) or "none". Verification masks every position correctly in all
+      three, so greedy output is the same; only acceptance changes.
   Returns:
     GenerateOutput. stats: target_calls (forward passes per sequence, prefill included, summed),
     verify_calls, accepted_tokens (emitted drafts), target_tokens (emitted target tokens;
@@ -207,25 +282,31 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
     acceptance_per_position (k rates: P(draft i accepted | step)).
   """
   k = 0 if proposer is None else (num_drafts or proposer.cfg.num_modules)
-  _validate(target, proposer, prompts, max_new_tokens, k, eos_token_id)
+  _validate(target, proposer, prompts, max_new_tokens, k, eos_token_id, grammar, constrained, draft_masks)
   if relaxed is not None and temperature != 0:
     raise ValueError("relaxed acceptance is a greedy option; use temperature=0")
   lens = np.array([len(p) for p in prompts], np.int32)
   t = -(-int(lens.max()) // PROMPT_BUCKET) * PROMPT_BUCKET
-  needed = t + max_new_tokens + k + 1
+  # Padding rows of the prompt are never written to the caches, so only real rows count.
+  needed = int(lens.max()) + max_new_tokens + k + 1
   if max_len is not None and max_len < needed:
-    raise ValueError(f"prompt too long for the cache: the longest prompt ({lens.max()} tokens, padded to {t}) "
+    raise ValueError(f"prompt too long for the cache: the longest prompt ({lens.max()} tokens) "
                      f"+ max_new_tokens ({max_new_tokens}) + k + 1 needs max_len >= {needed}, got {max_len}")
   prompts_BxT = np.zeros((len(prompts), t), np.int32)
   for i, p in enumerate(prompts):
     prompts_BxT[i, :len(p)] = p
   cfg = _Settings(k, max_new_tokens, float(temperature), top_k, top_p, eos_token_id,
-                  None if relaxed is None else (int(relaxed[0]), float(relaxed[1])))
+                  None if relaxed is None else (int(relaxed[0]), float(relaxed[1])),
+                  max_len or t + max_new_tokens + k + 1, draft_masks)
+  gstate_B = None
+  if grammar is not None:
+    gstate_B = grammar_lib.init_grammar_state(
+        len(prompts), None if constrained is None else jnp.asarray(constrained, bool))
   key = jax.random.key(seed)
   if stream is None:
-    s = _generate_on_device(target, proposer, prompts_BxT, lens, key, cfg)
+    s = _generate_on_device(target, proposer, grammar, prompts_BxT, lens, gstate_B, key, cfg)
   else:
-    s = _start_jit(target, proposer, prompts_BxT, lens, key, cfg)
+    s = _start_jit(target, proposer, grammar, prompts_BxT, lens, gstate_B, key, cfg)
     seen = np.zeros(len(prompts), np.int64)
     while True:
       num_out, out, done = np.asarray(s.num_out), np.asarray(s.out), np.asarray(s.done)
@@ -233,7 +314,7 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
       seen = num_out
       if done.all():
         break
-      s = _step_jit(target, proposer, s, cfg)
+      s = _step_jit(target, proposer, grammar, s, cfg)
   return _output(s, k)
 
 

@@ -156,6 +156,25 @@ def no_allowed_token(mask_BxV: jax.Array) -> jax.Array:
   return ~jnp.any(mask_BxV, axis=-1)
 
 
+def token_mask(grammar: Grammar, state_B: jax.Array, vocab_size: int) -> jax.Array:
+  """The mask bool[B, vocab_size] to apply to a model's logits at states int32[B].
+
+  vocab_size: the model's vocabulary, >= grammar.vocab_size (models often pad theirs); tokens
+    past the grammar's vocabulary are allowed for FREE rows only. A constrained row whose mask
+    allows nothing (possible only for a hand-built Grammar) allows EOS alone, so the sequence
+    ends there; `advance` over that EOS leads to DONE.
+  """
+  if vocab_size < grammar.vocab_size:
+    raise ValueError(f"vocab_size {vocab_size} is smaller than the grammar's vocabulary "
+                     f"({grammar.vocab_size} tokens)")
+  mask_BxG = allowed_mask(grammar, state_B)
+  pad_BxP = jnp.broadcast_to((state_B < 0)[..., None],
+                             (*state_B.shape, vocab_size - grammar.vocab_size))
+  mask_BxV = jnp.concatenate([mask_BxG, pad_BxP], axis=-1)
+  eos_V = jnp.arange(vocab_size) == grammar.eos_token_id
+  return jnp.where(no_allowed_token(mask_BxV)[..., None], eos_V, mask_BxV)
+
+
 def byte_vocab() -> list[bytes | None]:
   """The byte tokenizer's vocabulary (mtp_jax.data), V = 258: ids 0..255 are single bytes.
 

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import checkify
 
+from mtp_jax import grammar as grammar_lib
 from mtp_jax.config import MtpConfig
 from mtp_jax.layers import KVCache
 from mtp_jax.mtp import MtpModel
@@ -154,7 +155,9 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
     key: PRNG key, needed when temperature > 0.
     temperature / top_k / top_p: static sampling settings; temperature 0 drafts greedily.
     grammar, grammar_state: optional `mtp_jax.grammar.Grammar` and int32[B] states after the
-      verified tokens; draft i is masked with the state reached after drafts 0..i-1.
+      verified tokens (FREE rows are unconstrained); draft i is masked with the state reached
+      after drafts 0..i-1, so the drafts are a valid continuation and, when sampling, the kept
+      draft_probs are the masked distributions the drafts were drawn from.
     checked: add `checkify` checks on values (wrap the caller in `checkify.checkify`).
   Returns:
     drafts int32[B, k], new ProposerState. Drafts of a sequence with no positions are unspecified.
@@ -170,6 +173,10 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
     raise ValueError("key is required when temperature > 0")
   if (grammar is None) != (grammar_state is None):
     raise ValueError("grammar and grammar_state must be given together")
+  if grammar is not None:
+    grammar_state = jnp.asarray(grammar_state)
+    _check_grammar(grammar, grammar_state, state.batch_size, params.cfg.vocab_size)
+    grammar_state = grammar_state.astype(jnp.int32)
   if _is_concrete(state.num_pos, tokens, num_new):
     _raise_eager(_propose_value_errors(state, tokens, num_new, params.cfg.vocab_size, tokens.shape[1]),
                  num_pos=state.num_pos, num_new=num_new)
@@ -179,12 +186,24 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
                   num_drafts, key, temperature, top_k, top_p, grammar, grammar_state, checked)
 
 
+def _check_grammar(grammar, grammar_state, batch_size, vocab_size):
+  if not isinstance(grammar, grammar_lib.Grammar):
+    raise TypeError(f"grammar must be a mtp_jax.grammar.Grammar, got {type(grammar).__name__}")
+  if grammar.vocab_size > vocab_size:
+    raise ValueError(f"grammar has {grammar.vocab_size} tokens, more than the model's vocab_size={vocab_size}")
+  if grammar_state.shape != (batch_size,) or not jnp.issubdtype(grammar_state.dtype, jnp.integer):
+    raise ValueError(f"grammar_state must be int32[B={batch_size}], got "
+                     f"{grammar_state.dtype}{list(grammar_state.shape)}")
+
+
 def _gather_rows(x_BxTx, idx_BxW):
   return jnp.take_along_axis(x_BxTx, idx_BxW.reshape(idx_BxW.shape + (1,) * (x_BxTx.ndim - 2)), axis=1)
 
 
 def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, key, temperature,
-             top_k, top_p, grammar, grammar_state_B, checked):
+             top_k, top_p, grammar, grammar_state_B, checked, grammar_per_position=True):
+  # grammar_per_position=False masks every draft with grammar_state_B, as the seed proposer
+  # did; the serving loop's ablation (generate's draft_masks="first") uses it.
   cfg = params.cfg
   if checked:
     for ok, msg in _propose_value_errors(state, tokens_BxT, num_new_B, cfg.vocab_size, tokens_BxT.shape[1]):
@@ -238,13 +257,13 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
       last_B = jnp.clip(new_num_pos_B - 1 - start_B, 0, w - 1)
       logits_BxV = params.logits(i, _gather_rows(out_BxWxD, last_B[:, None])[:, 0])
       if grammar is not None:
-        from mtp_jax import grammar as grammar_lib
-        logits_BxV = grammar_lib.apply_mask(logits_BxV, grammar_lib.allowed_mask(grammar, g_state_B))
+        logits_BxV = grammar_lib.apply_mask(
+            logits_BxV, grammar_lib.token_mask(grammar, g_state_B, logits_BxV.shape[-1]))
       sub_key = None if key is None else jax.random.fold_in(key, i)
       d_B, q_BxV = sample(logits_BxV, sub_key, temperature=temperature, top_k=top_k, top_p=top_p)
       drafts.append(d_B)
       probs.append(q_BxV)
-      if grammar is not None:
+      if grammar is not None and grammar_per_position:
         g_state_B = grammar_lib.advance(grammar, g_state_B, d_B)
     prev_h_BxWxD, prev_start_B = next_h_BxWxD, start_B
 
@@ -257,7 +276,7 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
   return jnp.stack(drafts, axis=1), new_state
 
 
-_propose_jit = jax.jit(_propose, static_argnums=(5, 7, 8, 9, 12))
+_propose_jit = jax.jit(_propose, static_argnums=(5, 7, 8, 9, 12, 13))
 
 
 def after_verify(state: ProposerState, num_accepted, *, checked: bool = False) -> ProposerState:
