@@ -63,6 +63,22 @@ def decode(ids: Iterable[int]) -> str:
   return out.decode("utf-8", errors="replace")
 
 
+class ByteTokenizer:
+  """`encode` / `decode` as an object, for code that expects a tokenizer with ids and a vocab size."""
+
+  vocab_size = VOCAB_SIZE
+  bos_id = BOS_ID
+  eos_id = EOS_ID
+
+  def encode(self, text: str, *, bos: bool = True) -> list[int]:
+    """int[len] ids; see the module-level `encode`."""
+    return encode(text, bos=bos)
+
+  def decode(self, ids: Iterable[int]) -> str:
+    """Text of int[len] ids; see the module-level `decode`."""
+    return decode(ids)
+
+
 def _stdlib_root() -> str:
   return sysconfig.get_paths()["stdlib"]
 
