@@ -141,6 +141,28 @@ def test_ablated_draft_masks_keep_output_and_lose_acceptance():
     assert outs[mode].stats["mean_accepted_length"] < per_position
 
 
+@pytest.mark.slow
+def test_relaxed_acceptance_never_takes_a_forbidden_draft():
+  """Unmasked drafts under (ab){3,6}: with delta = 1 the relaxed test alone would accept any draft
+  among the top 3, including tokens of probability 0 where fewer than 3 are allowed."""
+  g = grammar.from_regex("(ab){3,6}", AB_VOCAB, eos_token_id=EOS)
+  out = mtp_jax.generate(TARGET, PROPOSER, PROMPTS, MAX_NEW, num_drafts=K, eos_token_id=EOS, grammar=g,
+                         draft_masks="none", relaxed=(3, 1.0))
+  for tokens in out.tokens:
+    assert re.fullmatch("(ab){3,6}", _text(tokens, AB_VOCAB).decode())
+
+
+@pytest.mark.slow
+def test_streamed_with_the_smallest_cache(speculative):
+  """The jitted step driven from Python, over caches of exactly the rows needed (the padded
+  prompt would ask for 21 more), gives the on-device loop's output."""
+  streamed = [[] for _ in PROMPTS]
+  max_len = max(map(len, PROMPTS)) + MAX_NEW + K + 1
+  out = mtp_jax.generate(TARGET, PROPOSER, PROMPTS, MAX_NEW, num_drafts=K, eos_token_id=EOS, grammar=G,
+                         max_len=max_len, stream=lambda new: [s.extend(n) for s, n in zip(streamed, new)])
+  assert out.tokens == streamed == speculative.tokens
+
+
 # --- JSON over the byte vocabulary -----------------------------------------------------------
 
 def _check_json(tokens):
@@ -328,7 +350,7 @@ class TestErrors:
       grammar.from_regex("(12)+3", [None, b"1", b"2", b"12"], eos_token_id=0)  # no token holds "3"
 
   def test_grammar_needs_eos(self):
-    with pytest.raises(ValueError, match=r"a grammar ends sequences with eos: pass eos_token_id \(the grammar's is 15\)"):
+    with pytest.raises(ValueError, match=r"pass eos_token_id \(the grammar's is 15\)"):
       mtp_jax.generate(TARGET, PROPOSER, PROMPTS, 4, grammar=G)
     with pytest.raises(ValueError, match=r"eos_token_id=14 differs from the grammar's eos_token_id=15"):
       mtp_jax.generate(TARGET, PROPOSER, PROMPTS, 4, eos_token_id=14, grammar=G)
