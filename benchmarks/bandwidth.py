@@ -1,0 +1,166 @@
+"""The memory-bandwidth limit of a weight-bound `propose` (D=1024, B=1), and where its time goes.
+
+  python benchmarks/bandwidth.py            # D=1024, B=1, k in 1, 3; 512 MB copies
+  python benchmarks/bandwidth.py --quick    # a tiny smoke run
+
+A decode step at B=1 must read every module's weights, the LM head once per draft (drafts are
+sequential), the embedding rows of its windows, and the KV rows it attends over. Achieved
+bytes/s = those bytes / the median call; the machine's bandwidth is measured in the same run
+(a large array copied and summed, with jax and with numpy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import variants as V
+from bench_propose import machine
+from variants import mtp_jax
+
+
+def median_s(fn, make_input=lambda: (), reps: int = 20) -> float:
+  """Median wall time of fn(*make_input()) over reps calls, inputs made outside the timer."""
+  jax.block_until_ready(fn(*make_input()))
+  ts = []
+  for _ in range(reps):
+    args = make_input()
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    ts.append(time.perf_counter() - start)
+  return float(np.median(ts))
+
+
+def bandwidth(mbytes: int, reps: int) -> dict:
+  """GB/s of copying (read + write counted) and summing (read) an mbytes float32 array.
+
+  Copies go into a destination whose pages are already touched (numpy: preallocated; jax: the
+  donated previous output), so page faults are not timed.
+  """
+  n = mbytes * 2**20 // 4
+  x = jnp.arange(n, dtype=jnp.float32)
+  dst = [jnp.zeros_like(x)]
+  copy_into = jax.jit(lambda d, s: jnp.copy(s), donate_argnums=0)
+
+  def jax_copy():
+    dst[0] = copy_into(dst[0], x)
+    return dst[0]
+
+  src = np.arange(n, dtype=np.float32)
+  out = np.empty_like(src)
+  out[:] = 0
+  gb = n * 4 / 1e9
+  return {
+      "jax copy": 2 * gb / median_s(jax_copy, reps=reps),
+      "jax sum (read)": gb / median_s(jax.jit(jnp.sum), lambda: (x,), reps),
+      "numpy copy": 2 * gb / median_s(lambda: np.copyto(out, src), reps=reps),
+      "numpy sum (read)": gb / median_s(src.sum, reps=reps),
+  }
+
+
+def propose_bytes(step: V.Step, new_state) -> dict:
+  """Bytes one decode step reads, by source (the KV cache both as valid rows and as allocated)."""
+  p, cfg, k = step.params, step.params.cfg, step.k
+  b, t, d = step.hiddens.shape
+  item = cfg.jnp_dtype.itemsize
+  kv_row = 2 * cfg.num_kv_heads * cfg.head_dim * item  # k and v
+  return {
+      "module weights": sum(x.nbytes for x in jax.tree.leaves(nnx.state(p.layers, nnx.Param))),
+      "LM head, once per draft": k * p.lm_head.weight.nbytes,
+      "embedding rows": b * sum(t + i for i in range(V.K)) * d * item,
+      "hiddens, rings": step.hiddens.nbytes + sum(x.nbytes for x in step.state.tail),
+      "KV rows valid": int(np.asarray(new_state.lengths).sum()) * kv_row,
+      "KV cache allocated": V.K * b * step.state.max_len * kv_row,
+  }
+
+
+def dense_only(params, step):
+  """The matmuls of a decode step alone (same weights, same row counts): the dense floor."""
+  b, t, _ = step.hiddens.shape
+  d = params.cfg.hidden_size
+
+  @jax.jit
+  def run(params, x):
+    total = jnp.zeros((), jnp.float32)
+    for i, m in enumerate(params.layers):
+      h = x[:, :t + i]
+      a = m.block.self_attn
+      h = m.eh_proj(jnp.concatenate([h, h], axis=-1))
+      q = a.q_proj(h)
+      h = a.o_proj(q) + a.k_proj(h).sum() + a.v_proj(h).sum()
+      h = m.block.mlp(h)
+      if i < step.k:
+        total += params.lm_head(h[:, -1]).sum()
+    return total + h.sum()
+
+  x = jnp.ones((b, t + V.K, d), params.cfg.jnp_dtype)
+  return lambda: run(params, x)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--quick", action="store_true", help="D=64 and a 16 MB array (a smoke test)")
+  args = ap.parse_args(argv)
+  size, mbytes, reps, drafts = ("D=64", 16, 3, (1,)) if args.quick else ("D=1024", 512, 20, (1, 3))
+  print(f"Machine: {machine()}\n")
+  bw = bandwidth(mbytes, max(3, reps // 2))
+  copy_bw = max(bw["jax copy"], bw["numpy copy"])
+  read_bw = max(bw["jax sum (read)"], bw["numpy sum (read)"])
+  print(f"Memory bandwidth ({mbytes} MB float32 array), GB/s: "
+        + ", ".join(f"{name} {v:.1f}" for name, v in bw.items()) + "\n")
+  params = mtp_jax.init_mtp(V.config(size), seed=0)
+  short_len = V.PROMPT_T + 8
+  rows = ["| k | bytes read, valid KV rows (MB) | with whole KV cache (MB) | median ms | GB/s (valid) | "
+          "/ copy GB/s | / read GB/s | XLA 'bytes accessed' (MB) |", "|---" * 8 + "|"]
+  profile = ["| k | what | median ms | share of propose |", "|---|---|---|---|"]
+  for k in drafts:
+    step = V.warm_step(params, 1, k)
+    run = V.MtpJax(step)
+    native = run.prepare(step)
+    _, new_state = run.call(run.copy(native))
+    nbytes = propose_bytes(step, new_state)
+    kv_alloc = nbytes.pop("KV cache allocated")
+    valid = sum(nbytes.values())
+    whole = valid - nbytes["KV rows valid"] + kv_alloc
+    t_prop = median_s(run.call, lambda: (run.copy(native),), reps)
+    gbs = valid / t_prop / 1e9
+    cost = run.fn.lower(params, native, step.hiddens, step.tokens, step.num_new).compile().cost_analysis()
+    xla_bytes = cost.get("bytes accessed", float("nan")) if isinstance(cost, dict) else float("nan")
+    rows.append(f"| {k} | {valid / 1e6:.1f} | {whole / 1e6:.1f} | {t_prop * 1e3:.2f} | {gbs:.1f} | "
+                f"{gbs / copy_bw:.2f} | {gbs / read_bw:.2f} | {xla_bytes / 1e6:.1f} |")
+    print(f"k={k}: bytes by source (MB): " + ", ".join(f"{n} {v / 1e6:.2f}" for n, v in nbytes.items())
+          + f", KV cache allocated {kv_alloc / 1e6:.2f}")
+
+    short = V.warm_step(params, 1, k, max_len=short_len)
+    short_run = V.MtpJax(short)
+    short_native = short_run.prepare(short)
+    direct = V.MtpJaxDirect(step)
+    dispatch = jax.jit(lambda p, s, h, t, n: s.num_pos + n)
+    weights = [x for x in jax.tree.leaves(nnx.state(params, nnx.Param))]
+    read_all = jax.jit(lambda ws: sum(w.sum() for w in ws))
+    parts = [
+        ("propose, max_len 512 (jit, state donated)", t_prop),
+        (f"propose, max_len {short_len}", median_s(short_run.call, lambda: (short_run.copy(short_native),), reps)),
+        ("propose, direct call (eager checks, no donation)", median_s(direct.call, lambda: (native,), reps)),
+        ("after_verify, direct call", median_s(mtp_jax.after_verify, lambda: (new_state, step.num_new - 1), reps)),
+        ("dispatch only: a trivial jit of the same arguments",
+         median_s(dispatch, lambda: (params, native, step.hiddens, step.tokens, step.num_new), reps)),
+        ("the decode step's matmuls alone", median_s(dense_only(params, step), reps=reps)),
+        ("sum of every weight once (read floor of the weights)", median_s(read_all, lambda: (weights,), reps)),
+    ]
+    for what, t in parts:
+      profile.append(f"| {k} | {what} | {t * 1e3:.2f} | {t / t_prop:.2f} |")
+  print(f"\nDecode-step propose at B=1, {size} (V={V.SIZES[size]['vocab_size']}), float32, K={V.K}:\n")
+  print("\n".join(rows))
+  print(f"\nRatios use the best copy ({copy_bw:.1f} GB/s) and read ({read_bw:.1f} GB/s) figures above."
+        "\n\nWhere the time goes (same run):\n")
+  print("\n".join(profile))
+
+
+if __name__ == "__main__":
+  main()
