@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 
@@ -24,22 +23,6 @@ import numpy as np
 
 import variants as V
 from variants import mtp_jax
-
-
-def machine() -> str:
-  cpu = platform.processor() or platform.machine()
-  try:
-    with open("/proc/cpuinfo") as f:
-      cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
-  except (OSError, StopIteration):
-    pass
-  torch = "absent"
-  if V.torch_available():
-    import torch
-    torch = f"{torch.__version__} ({torch.get_num_threads()} threads)"
-  dev = jax.devices()[0]
-  return (f"{cpu}, {os.cpu_count()} cores; jax {jax.__version__} on {dev.platform} ({dev.device_kind}); "
-          f"torch {torch}; load average {os.getloadavg()[0]:.1f}")
 
 
 def _ready(out):
@@ -97,13 +80,18 @@ def fmt_ms(ts) -> str:
   return f"{p50:.2f} [{p10:.2f}–{p90:.2f}]"
 
 
-def variant_table(sizes, batches, drafts, budget_s, max_reps):
+def variant_table(sizes, batches, drafts, budget_s, max_reps, torch: bool):
+  """Prints the runtime table row by row (a run cut short keeps its rows), then compile times."""
   classes = list(V.VARIANTS)
-  if not V.torch_available():
+  if not torch:
+    classes.remove(V.Torch)
+  elif not V.torch_available():
     print("> PyTorch is not installed: its column is skipped (`pip install torch` to include it).\n")
     classes.remove(V.Torch)
   names = [c.name for c in classes]
-  runtime = ["| size | B | k | " + " | ".join(names) + " |", "|---" * (3 + len(names)) + "|"]
+  print("Decode-step `propose`, median ms [p10–p90]; other columns: median / mtp_jax median "
+        "(> 1 is slower), then their own ms.\n")
+  print("| size | B | k | " + " | ".join(names) + " |\n" + "|---" * (3 + len(names)) + "|", flush=True)
   jitted = [n for n in names if n != V.Torch.name]
   compile_ = ["| size | B | k | " + " | ".join(jitted) + " |", "|---" * (3 + len(jitted)) + "|"]
   for size in sizes:
@@ -117,11 +105,8 @@ def variant_table(sizes, batches, drafts, budget_s, max_reps):
         cells = [fmt_ms(res[names[0]]["times"]) + " ms"]
         for n in names[1:]:
           cells.append(f"{np.median(res[n]['times']) / base:.2f}× ({fmt_ms(res[n]['times'])})")
-        runtime.append(f"| {size} | {b} | {k} | " + " | ".join(cells) + " |")
+        print(f"| {size} | {b} | {k} | " + " | ".join(cells) + " |", flush=True)
         compile_.append(f"| {size} | {b} | {k} | " + " | ".join(f"{res[n]['compile']:.2f}" for n in jitted) + " |")
-  print("Decode-step `propose`, median ms [p10–p90]; other columns: median / mtp_jax median "
-        "(> 1 is slower), then their own ms.\n")
-  print("\n".join(runtime))
   print("\nCompile time, s (first call minus median call):\n")
   print("\n".join(compile_))
 
@@ -142,11 +127,12 @@ def bf16_agreement(size: str, batch_size: int, steps: int, k: int, seed: int = 0
   lens = rng.integers(V.PROMPT_T // 2, V.PROMPT_T + 1, size=b).astype(np.int32)
   hid = rng.normal(size=(b, V.PROMPT_T, d)).astype(np.float32)
   toks = rng.integers(0, v, size=(b, V.PROMPT_T)).astype(np.int32)
-  d32, s32 = mtp_jax.propose(p32, s32, hid, toks, lens, num_drafts=k)
-  d16, s16 = mtp_jax.propose(p16, s16, hid, toks, lens, num_drafts=k)
+  # K drafts after the prompt, as in variants.warm_step, so the two share compiles
+  d32, s32 = mtp_jax.propose(p32, s32, hid, toks, lens, num_drafts=V.K)
+  d16, s16 = mtp_jax.propose(p16, s16, hid, toks, lens, num_drafts=V.K)
   equal, total = np.zeros(k, np.int64), np.zeros(k, np.int64)
   for _ in range(steps):
-    d32, d16 = np.asarray(d32), np.asarray(d16)
+    d32, d16 = np.asarray(d32)[:, :k], np.asarray(d16)[:, :k]
     same = d32 == d16
     equal += same.sum(0)
     total += b
@@ -163,13 +149,14 @@ def bf16_agreement(size: str, batch_size: int, steps: int, k: int, seed: int = 0
   return equal, total
 
 
-def bf16_table(sizes, batches, k, steps, budget_s, max_reps):
+def bf16_table(sizes, batches, k, agree_batch, steps, budget_s, max_reps):
   rows = ["| size | drafts compared | equal (all) | equal per position 1..k |", "|---|---|---|---|"]
   for size in sizes:
-    equal, total = bf16_agreement(size, 8, steps, k)
+    equal, total = bf16_agreement(size, agree_batch, steps, k)
     per = ", ".join(f"{e / t:.3f}" for e, t in zip(equal, total))
     rows.append(f"| {size} | {total.sum()} | {equal.sum() / total.sum():.3f} | {per} |")
-  print(f"\nbf16 vs float32 greedy drafts (random weights, B=8, {steps} decode steps, k={k}, random accepts):\n")
+  print(f"\nbf16 vs float32 greedy drafts (random weights, B={agree_batch}, {steps} decode steps, k={k}, "
+        "random accepts):\n")
   print("\n".join(rows))
   speed = ["| size | B | float32 ms | bfloat16 ms | bf16 / f32 |", "|---|---|---|---|---|"]
   for size in sizes:
@@ -198,25 +185,27 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--quick", action="store_true", help="tiny sizes and few reps (a smoke test)")
   ap.add_argument("--no-bf16", action="store_true", help="skip the bf16 tables")
+  ap.add_argument("--no-torch", action="store_true", help="skip the PyTorch column")
   ap.add_argument("--torch-threads", type=int, default=1,
                   help="PyTorch intra-op threads (default 1: on a busy machine its OpenMP threads spin on "
                        "each other and run 5-100x slower)")
   args = ap.parse_args(argv)
-  if V.torch_available():
+  if V.torch_available() and not args.no_torch:
     import torch
     torch.set_num_threads(args.torch_threads)
   if args.quick:
-    sizes, batches, drafts, budget_s, max_reps, steps = ["D=64"], [2], [2], 0.0, 3, 3
+    sizes, batches, drafts, budget_s, max_reps, agree_batch, steps = ["D=64"], [2], [2], 0.0, 3, 2, 3
   else:
-    sizes, batches, drafts, budget_s, max_reps, steps = ["D=256", "D=1024"], [1, 8, 32], [1, 3], 1.0, 25, 40
+    sizes, batches, drafts, budget_s, max_reps, agree_batch, steps = (["D=256", "D=1024"], [1, 8, 32], [1, 3], 1.0,
+                                                                      25, 8, 40)
   start = time.perf_counter()
-  print(f"Machine: {machine()}\n")
+  print(f"Machine: {V.machine(with_torch=not args.no_torch)}\n")
   print(f"K={V.K}, max_len={V.MAX_LEN}, float32; sizes: " + "; ".join(
       f"{s}: V={V.SIZES[s]['vocab_size']}, heads {V.SIZES[s]['num_heads']}/{V.SIZES[s]['num_kv_heads']}x"
       f"{V.SIZES[s]['head_dim']}, F={V.SIZES[s]['intermediate_size']}" for s in sizes) + "\n")
-  variant_table(sizes, batches, drafts, budget_s, max_reps)
+  variant_table(sizes, batches, drafts, budget_s, max_reps, torch=not args.no_torch)
   if not args.no_bf16:
-    bf16_table(sizes, sorted({batches[0], batches[-1]}), max(drafts), steps, budget_s, max_reps)
+    bf16_table(sizes, sorted({batches[0], batches[-1]}), max(drafts), agree_batch, steps, budget_s, max_reps)
   print(f"\nTotal {time.perf_counter() - start:.0f} s; load average at the end {os.getloadavg()[0]:.1f}.")
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import time
 
 import jax
@@ -26,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 
 import variants as V
-from bench_propose import machine
 from mtp_jax import layers, proposer
 from variants import mtp_jax
 
@@ -122,19 +122,21 @@ def propose_ab(size, batches, drafts, reps):
       for patch in variants:
         with patched(patch):
           step = V.warm_step(params, b, k)
-          run = V.MtpJax(step)
-          native = run.prepare(step)
-          drafts_out, _ = jax.block_until_ready(run.call(run.copy(native)))
-          mem = run.fn.lower(params, native, step.hiddens, step.tokens, step.num_new).compile().memory_analysis()
-        runs.append(dict(run=run, native=native, drafts=np.asarray(drafts_out), times=[],
+          # a fresh jit per patch: a cached trace would hold the unpatched code
+          fn = jax.jit(lambda p, s, h, t, n: mtp_jax.propose(p, s, h, t, n, num_drafts=k), donate_argnums=1)
+          compiled = fn.lower(params, step.state, step.hiddens, step.tokens, step.num_new).compile()
+        call = functools.partial(lambda c, s, st: c(s.params, st, s.hiddens, s.tokens, s.num_new), compiled, step)
+        drafts_out, _ = jax.block_until_ready(call(V.copy_tree(step.state)))
+        mem = compiled.memory_analysis()
+        runs.append(dict(call=call, state=step.state, drafts=np.asarray(drafts_out), times=[],
                          temp=mem.temp_size_in_bytes if mem is not None else float("nan")))
       for r in runs[1:]:
         assert np.array_equal(r["drafts"], runs[0]["drafts"]), "a patch changed the drafts"
       for _ in range(reps):
         for r in runs:
-          inp = r["run"].copy(r["native"])
+          inp = V.copy_tree(r["state"])
           start = time.perf_counter()
-          jax.block_until_ready(r["run"].call(inp))
+          jax.block_until_ready(r["call"](inp))
           r["times"].append(time.perf_counter() - start)
       base = float(np.median(runs[0]["times"]))
       cells = [f"{base * 1e3:.2f}"] + [f"{np.median(r['times']) * 1e3:.2f} ({np.median(r['times']) / base:.2f}×)"
@@ -173,7 +175,7 @@ def main(argv=None):
   ap.add_argument("--quick", action="store_true", help="D=64, B=2, k=1, 3 reps (a smoke test)")
   args = ap.parse_args(argv)
   size, batches, drafts, reps = ("D=64", [2], [1], 3) if args.quick else ("D=1024", [1, 32], [1, 3], 15)
-  print(f"Machine: {machine()}\n")
+  print(f"Machine: {V.machine(with_torch=False)}\n")
   print(f"Decode-step propose (jit, state donated), median ms, K={V.K}, max_len={V.MAX_LEN}, float32; "
         f"linear: weight as the dot's lhs when x has <= {FEW_ROWS} rows; layout: [B, Hkv, L, Dh] caches.\n")
   print("\n".join(propose_ab(size, batches, drafts, reps)))

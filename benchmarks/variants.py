@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
+import platform
 import sys
 from pathlib import Path
 
@@ -92,13 +94,18 @@ def copy_tree(tree):
   return jax.block_until_ready(jax.tree.map(jnp.copy, tree))
 
 
+@functools.cache
+def donated_propose(num_drafts: int):
+  """`mtp_jax.propose` under jit with the state donated; one function per k, so runs share compiles."""
+  return jax.jit(lambda p, s, h, t, n: mtp_jax.propose(p, s, h, t, n, num_drafts=num_drafts), donate_argnums=1)
+
+
 class MtpJax:
   name = "mtp_jax propose (jit, state donated)"
 
   def __init__(self, step: Step):
     self.step = step
-    k = step.k
-    self.fn = jax.jit(lambda p, s, h, t, n: mtp_jax.propose(p, s, h, t, n, num_drafts=k), donate_argnums=1)
+    self.fn = donated_propose(step.k)
 
   def prepare(self, step):
     return step.state
@@ -322,9 +329,9 @@ class Torch:
     t = lambda x: self.torch.from_numpy(np.array(x.astype(jnp.float32))).to(self._dtype())
     st = step.state
     return dict(k=[t(c.k) for c in st.kv], v=[t(c.v) for c in st.kv], tail=[t(x) for x in st.tail],
-                lengths=self.torch.from_numpy(np.asarray(st.lengths)).long(),
-                num_pos=self.torch.from_numpy(np.asarray(st.num_pos)).long(),
-                num_drafted=self.torch.from_numpy(np.asarray(st.num_drafted)).long())
+                lengths=self.torch.from_numpy(np.array(st.lengths)).long(),
+                num_pos=self.torch.from_numpy(np.array(st.num_pos)).long(),
+                num_drafted=self.torch.from_numpy(np.array(st.num_drafted)).long())
 
   def copy(self, st):
     return {name: ([x.clone() for x in val] if isinstance(val, list) else val.clone()) for name, val in st.items()}
@@ -440,3 +447,20 @@ def torch_available() -> bool:
   except ImportError:
     return False
   return True
+
+
+def machine(with_torch: bool = True) -> str:
+  """One line naming the processor, the jax device, torch (optionally) and the load average."""
+  cpu = platform.processor() or platform.machine()
+  try:
+    with open("/proc/cpuinfo") as f:
+      cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+  except (OSError, StopIteration):
+    pass
+  torch_info = ""
+  if with_torch and torch_available():
+    import torch
+    torch_info = f"torch {torch.__version__} ({torch.get_num_threads()} threads); "
+  dev = jax.devices()[0]
+  return (f"{cpu}, {os.cpu_count()} cores; jax {jax.__version__} on {dev.platform} ({dev.device_kind}); "
+          f"{torch_info}load average {os.getloadavg()[0]:.1f}")

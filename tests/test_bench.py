@@ -1,0 +1,51 @@
+"""Smoke test of the benchmark scripts: each runs with --quick and prints its tables (no timing is
+asserted). They run in this process, so they share compiles; one subprocess checks that the scripts
+start as `python benchmarks/<script>.py` from a checkout that is not pip-installed."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import bandwidth  # noqa: E402
+import bench_propose  # noqa: E402
+import hot_path_ab  # noqa: E402
+
+
+def test_scripts_start_from_a_checkout():
+  for script in ("bench_propose.py", "bandwidth.py", "hot_path_ab.py"):
+    proc = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True,
+                          timeout=300, cwd="/")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--quick" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_propose_quick(capsys):
+  bench_propose.main(["--quick"])
+  out = capsys.readouterr().out
+  # each variant's drafts and state were asserted equal to mtp_jax's before its row was printed
+  assert "| D=64 | 2 | 2 | " in out
+  for name in ("per-module jit, Python loop", "lax.scan over stacked params", "mtp_jax.propose, direct call"):
+    assert name in out
+  assert "bf16 vs float32 greedy drafts" in out and "| D=64 | 12 |" in out
+
+
+@pytest.mark.slow
+def test_bandwidth_quick(capsys):
+  bandwidth.main(["--quick"])
+  out = capsys.readouterr().out
+  assert "Memory bandwidth (16 MB float32 array)" in out
+  assert "| 1 | propose, max_len 512 (jit, state donated) |" in out
+
+
+@pytest.mark.slow
+def test_hot_path_ab_quick(capsys):
+  hot_path_ab.main(["--quick"])
+  out = capsys.readouterr().out
+  assert "| D=64 | 2 | 1 | " in out  # the patched variants gave the library's drafts
+  assert "| D=64 | 2 |" in out.split("after_verify called directly")[1]
