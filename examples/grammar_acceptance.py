@@ -5,6 +5,12 @@ draft masks.
     python examples/grammar_acceptance.py --checkpoint DIR  # a checkpoint written by mtp_jax.train
     python examples/grammar_acceptance.py --random          # random models of the demo's sizes
 
+A quickly trained checkpoint (about a minute on two CPU cores):
+
+    mtp-jax train --out /tmp/ckpt --steps 400 --warmup-steps 40 --hidden-size 64 --num-layers 2 \
+      --intermediate-size 192 --seq-len 128
+    python examples/grammar_acceptance.py --checkpoint /tmp/ckpt
+
 Held-out code prompts, each followed by "\\nconfig = ", are continued under a JSON schema (an
 object with a name, a version, a flag and up to three tags) by greedy speculative decoding in
 three draft-mask modes (`generate(..., draft_masks=...)`):
