@@ -298,19 +298,16 @@ def after_verify(state: ProposerState, num_accepted, *, checked: bool = False) -
             "num_accepted must be in 0..k, the num_drafts of the last propose (0 when none is pending)")
   if _is_concrete(state.num_drafted, num_accepted):
     _raise_eager([(jnp.all(ok_msg[0]), ok_msg[1])], num_accepted=num_accepted, k=state.num_drafted)
-    return _after_verify_jit(state, num_accepted.astype(jnp.int32))
-  if checked:
+  elif checked:
     checkify.check(jnp.all(ok_msg[0]), ok_msg[1])
   return _after_verify(state, num_accepted.astype(jnp.int32))
 
 
 def _after_verify(state, num_accepted_B):
+  # Touches only lengths and num_drafted: called eagerly, the caches stay the same buffers.
   pending_B = state.num_drafted > 0
   lengths = jnp.where(pending_B[None], _trim(state.lengths, state.num_pos, num_accepted_B), state.lengths)
   return state.set(lengths=lengths, num_drafted=jnp.zeros_like(state.num_drafted))
-
-
-_after_verify_jit = jax.jit(_after_verify)
 
 
 def reset_slots(state: ProposerState, mask) -> ProposerState:
@@ -321,16 +318,11 @@ def reset_slots(state: ProposerState, mask) -> ProposerState:
   mask_B = jnp.asarray(mask, bool)
   if mask_B.shape != (state.batch_size,):
     raise ValueError(f"mask must be bool[B={state.batch_size}], got shape {mask_B.shape}")
-  return _reset_jit(state, mask_B) if _is_concrete(mask_B) else _reset(state, mask_B)
-
-
-def _reset(state, mask_B):
+  # Only the small arrays change; the caches pass through as the same buffers (no jit, which
+  # would copy every cache it returns).
   zero = lambda x: jnp.where(mask_B, 0, x)
   return state.set(lengths=jnp.where(mask_B[None], 0, state.lengths), num_pos=zero(state.num_pos),
                    num_drafted=zero(state.num_drafted))
-
-
-_reset_jit = jax.jit(_reset)
 
 
 def checked(fn):
