@@ -23,6 +23,7 @@ import numpy as np
 
 from mtp_jax import grammar as grammar_lib
 from mtp_jax import proposer as prop
+from mtp_jax import sharding
 from mtp_jax.mtp import MtpModel
 from mtp_jax.sampling import sample
 from mtp_jax.target import TargetModel, TargetState, init_target_state, target_step
@@ -75,6 +76,7 @@ class _Settings:
   relaxed: tuple[int, float] | None
   max_len: int
   draft_masks: str
+  mesh: jax.sharding.Mesh | None = None
 
 
 def _emit(s: LoopState, new_BxJ, n_emit_B, cfg: _Settings, active_B) -> LoopState:
@@ -114,6 +116,8 @@ def _start(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key, cfg: _
   b, t = prompts_BxT.shape
   k = cfg.num_drafts
   tstate = init_target_state(target.cfg, b, cfg.max_len)
+  if cfg.mesh is not None:
+    tstate = sharding.shard_state(tstate, cfg.mesh)
   logits, hid, tstate = target_step(target, tstate, prompts_BxT, lens_B)
   key, k_first, k_draft = jax.random.split(key, 3)
   last_logits = jnp.take_along_axis(logits, (lens_B - 1)[:, None, None], axis=1)[:, 0]
@@ -131,6 +135,8 @@ def _start(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key, cfg: _
   if proposer is None:
     return s
   pstate = prop.init_state(proposer.cfg, b, cfg.max_len, keep_draft_probs=cfg.temperature > 0)
+  if cfg.mesh is not None:
+    pstate = sharding.shard_state(pstate, cfg.mesh)
   # Position j's token is t_{j+1}: the prompt shifted left, with the first generated token at the end.
   tokens = jnp.concatenate([prompts_BxT[:, 1:], prompts_BxT[:, :1]], axis=1)
   tokens = tokens.at[jnp.arange(b), lens_B - 1].set(first_B)
@@ -249,7 +255,7 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
              relaxed: tuple[int, float] | None = None,
              stream: Callable[[list[list[int]]], None] | None = None,
              grammar: grammar_lib.Grammar | None = None, constrained: Sequence[bool] | None = None,
-             draft_masks: str = "per_position") -> GenerateOutput:
+             draft_masks: str = "per_position", mesh: jax.sharding.Mesh | None = None) -> GenerateOutput:
   """Speculative decoding with the MTP chain (or plain autoregressive decoding if proposer is None).
 
   Args:
@@ -274,6 +280,8 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
       state after the drafts before it), "first" (all with the state after the emitted tokens,
       as the seed proposer did) or "none". Verification masks every position correctly in all
       three, so greedy output is the same; only acceptance changes.
+    mesh: a `mtp_jax.sharding.make_mesh` mesh: the loop's target and proposer caches are placed
+      with batch on "data" and KV heads on "model" (shard the params with `shard_params`).
   Returns:
     GenerateOutput. stats: target_calls (forward passes per sequence, prefill included, summed),
     verify_calls, accepted_tokens (emitted drafts), target_tokens (emitted target tokens;
@@ -297,7 +305,7 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
     prompts_BxT[i, :len(p)] = p
   cfg = _Settings(k, max_new_tokens, float(temperature), top_k, top_p, eos_token_id,
                   None if relaxed is None else (int(relaxed[0]), float(relaxed[1])),
-                  max_len or t + max_new_tokens + k + 1, draft_masks)
+                  max_len or t + max_new_tokens + k + 1, draft_masks, mesh)
   gstate_B = None
   if grammar is not None:
     gstate_B = grammar_lib.init_grammar_state(

@@ -202,7 +202,7 @@ def _generate_child() -> dict:
   single = mtp_jax.generate(target, proposer, prompts, 20, num_drafts=K)
   mesh = sharding.make_mesh(2, 2)
   sharded = mtp_jax.generate(sharding.shard_params(target, mesh), sharding.shard_params(proposer, mesh),
-                             prompts, 20, num_drafts=K)
+                             prompts, 20, num_drafts=K, mesh=mesh)
   return {"single": single.tokens, "sharded": sharded.tokens, "accepted": sharded.stats["accepted_tokens"]}
 
 
