@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tqdm.auto import tqdm
+from tqdm import tqdm
 
 from mtp_jax import checkpoint, data
 from mtp_jax.config import MtpConfig, TargetConfig
@@ -295,10 +295,6 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, mtp_cfg: Mtp
   return TrainResult(model.target, model.mtp, max(start, stop), history)
 
 
-def _config_dict(cfg) -> dict:
-  return dataclasses.asdict(cfg)
-
-
 def save_checkpoint(path, target: TargetModel, mtp: MtpModel, *, step: int = 0,
                     train_config: TrainConfig | None = None, opt_state=None) -> None:
   """Writes target.safetensors, mtp.safetensors, config.json (+ optimizer.safetensors) under path."""
@@ -309,8 +305,8 @@ def save_checkpoint(path, target: TargetModel, mtp: MtpModel, *, step: int = 0,
   if opt_state is not None:
     checkpoint.save_tensors(os.path.join(path, OPTIMIZER_FILE), _flat_opt_state(opt_state),
                             metadata={"step": str(step)})
-  meta = dict(target=_config_dict(target.cfg), mtp=_config_dict(mtp.cfg), step=step,
-              train=None if train_config is None else _config_dict(train_config))
+  meta = dict(target=dataclasses.asdict(target.cfg), mtp=dataclasses.asdict(mtp.cfg), step=step,
+              train=None if train_config is None else dataclasses.asdict(train_config))
   # config.json last: a checkpoint with one is complete.
   with open(os.path.join(path, CONFIG_FILE), "w") as f:
     json.dump(meta, f, indent=2)

@@ -1,0 +1,140 @@
+"""`mtp-jax` (or `python -m mtp_jax.cli`): demo, generate, train."""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import dataclasses
+import sys
+
+
+
+def _demo(args) -> int:
+  from mtp_jax import demo
+  return demo.main(num_prompts=args.num_prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
+                   seed=args.seed, repeats=args.repeats, path=args.checkpoint)
+
+
+def _generate(args) -> int:
+  from mtp_jax import demo
+  from mtp_jax.generate import generate
+  target, proposer, tok = demo.load_demo(args.checkpoint)
+  # Training windows carry no BOS, so neither does the prompt.
+  prompt = tok.encode(args.prompt, bos=False)
+  if not prompt:
+    raise SystemExit("--prompt must not be empty")
+  decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+  def stream(new_tokens):
+    # A multi-byte character may arrive split across steps: the incremental decoder holds the head.
+    sys.stdout.write(decoder.decode(bytes(t for t in new_tokens[0] if t < 256)))
+    sys.stdout.flush()
+
+  sys.stdout.write(args.prompt)
+  out = generate(target, proposer if args.num_drafts > 0 else None, [prompt], args.max_new_tokens,
+                 num_drafts=args.num_drafts or None, temperature=args.temperature, seed=args.seed,
+                 eos_token_id=tok.eos_id, stream=stream)
+  sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+  if args.num_drafts > 0:
+    print(f"[{out.stats['generated_tokens']} tokens, {out.stats['target_calls']} target calls, "
+          f"mean accepted length {out.stats['mean_accepted_length']:.2f}]", file=sys.stderr)
+  return 0
+
+
+_TRAIN_FLAGS = {  # flag -> TrainConfig field
+    "recipe": "recipe", "steps": "steps", "batch_size": "batch_size", "seq_len": "seq_len",
+    "lr": "learning_rate", "warmup_steps": "warmup_steps", "weight_decay": "weight_decay",
+    "mtp_weight": "mtp_weight", "stop_gradient": "stop_gradient", "eval_every": "eval_every",
+    "save_every": "save_every", "seed": "seed",
+}
+_MODEL_FLAGS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "num_modules")
+
+
+def _train(args) -> int:
+  from mtp_jax import train
+  given = {field: getattr(args, flag) for flag, field in _TRAIN_FLAGS.items() if getattr(args, flag) is not None}
+  model_given = {flag: getattr(args, flag) for flag in _MODEL_FLAGS if getattr(args, flag) is not None}
+  target_cfg = mtp_cfg = None
+  if args.resume:
+    if model_given:
+      raise SystemExit(f"--resume takes the model sizes from the checkpoint; drop {sorted(model_given)}")
+    saved = train.read_config(args.resume)["train"] or train.TrainConfig()
+    cfg = dataclasses.replace(saved, **given)
+  else:
+    cfg = train.TrainConfig(**given)
+    if cfg.recipe == "mimo":
+      if args.init_from is None:
+        raise SystemExit("--recipe mimo needs --init-from CHECKPOINT")
+      extra = set(model_given) - {"num_modules"}
+      if extra:
+        raise SystemExit(f"--recipe mimo keeps the checkpoint's sizes; only --num-modules may change, got {sorted(extra)}")
+      mtp_cfg = train.read_config(args.init_from)["mtp"]
+      mtp_cfg = dataclasses.replace(mtp_cfg, num_modules=model_given.get("num_modules", mtp_cfg.num_modules))
+    else:
+      target_cfg, mtp_cfg = train.model_configs(**model_given)
+  out_dir = args.out or args.resume
+  result = train.train(cfg, target_cfg, mtp_cfg, out_dir=out_dir, resume_from=args.resume, init_from=args.init_from,
+                       stop_at=args.stop_at)
+  last = result.history[-1] if result.history else None
+  if last is not None:
+    print("held-out top-1 accuracy (depth 0..K): " + " ".join(f"{a:.3f}" for a in last["accuracy"]))
+  print(f"checkpoint: {out_dir}")
+  return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="mtp-jax", description=__doc__)
+  sub = parser.add_subparsers(dest="command", required=True)
+
+  p = sub.add_parser("demo", help="speculative vs plain greedy decoding with the shipped models")
+  p.add_argument("--num-prompts", type=int, default=8)
+  p.add_argument("--prompt-len", type=int, default=64, help="bytes per held-out prompt")
+  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--seed", type=int, default=0, help="which held-out prompts")
+  p.add_argument("--repeats", type=int, default=3, help="timed passes; the fastest counts")
+  p.add_argument("--checkpoint", default=None, help="a training checkpoint directory instead of the shipped one")
+  p.set_defaults(func=_demo)
+
+  p = sub.add_parser("generate", help="stream a continuation of one prompt")
+  p.add_argument("--prompt", required=True)
+  p.add_argument("--max-new-tokens", type=int, default=200)
+  p.add_argument("--num-drafts", type=int, default=3, help="k drafts per step; 0 decodes without the MTP modules")
+  p.add_argument("--temperature", type=float, default=0.0)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--checkpoint", default=None)
+  p.set_defaults(func=_generate)
+
+  p = sub.add_parser("train", help="train a target and MTP modules on the stdlib byte corpus",
+                     description="Unset flags take the defaults of mtp_jax.train.TrainConfig / model_configs "
+                                 "(or, with --resume, the checkpoint's settings).")
+  p.add_argument("--out", default=None, help="checkpoint directory (default: the --resume directory)")
+  p.add_argument("--resume", default=None, help="continue the run saved in this checkpoint directory")
+  p.add_argument("--init-from", default=None, help="starting checkpoint for --recipe mimo")
+  p.add_argument("--stop-at", type=int, default=None,
+                 help="stop after this step with a checkpoint; --resume continues the same schedule")
+  p.add_argument("--recipe", choices=("joint", "mimo"), default=None)
+  for flag, kind in (("steps", int), ("batch_size", int), ("seq_len", int), ("lr", float),
+                     ("warmup_steps", int), ("weight_decay", float), ("mtp_weight", float),
+                     ("eval_every", int), ("save_every", int), ("seed", int)):
+    p.add_argument("--" + flag.replace("_", "-"), type=kind, default=None)
+  p.add_argument("--stop-gradient", action="store_true", default=None,
+                 help="keep the MTP loss out of the target (DeepSeek-V3 does not)")
+  for flag in _MODEL_FLAGS:
+    p.add_argument("--" + flag.replace("_", "-"), type=int, default=None)
+  p.set_defaults(func=_train)
+  return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+  args = build_parser().parse_args(argv)
+  if args.command == "train" and args.out is None and args.resume is None:
+    raise SystemExit("mtp-jax train: pass --out DIR (or --resume DIR)")
+  try:
+    return args.func(args)
+  except (ValueError, KeyError, FileNotFoundError) as e:
+    print(f"mtp-jax {args.command}: error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

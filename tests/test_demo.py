@@ -1,0 +1,36 @@
+"""The shipped demo models: they load, and speculative decoding reproduces plain greedy decoding."""
+
+import mtp_jax
+from mtp_jax import data, demo
+
+
+def test_load_demo_returns_the_shipped_models_and_tokenizer():
+  target, proposer, tok = demo.load_demo()
+  assert isinstance(target, mtp_jax.TargetModel) and isinstance(proposer, mtp_jax.MtpModel)
+  assert proposer.cfg.num_modules == 3
+  assert target.cfg.vocab_size == proposer.cfg.vocab_size == tok.vocab_size == data.VOCAB_SIZE
+  assert tok.decode(tok.encode("def f(x):\n  return x\n")) == "def f(x):\n  return x\n"
+  assert (tok.bos_id, tok.eos_id) == (data.BOS_ID, data.EOS_ID)
+
+
+def test_demo_speculative_output_equals_plain_greedy():
+  # The settings of the CLI test: in one pytest process the two share their compiled programs.
+  report = demo.run_demo(num_prompts=2, max_new_tokens=16, repeats=1)
+  assert [r.k for r in report.rows] == [1, 2, 3]
+  for row in report.rows:
+    assert row.same_as_plain
+    assert len(row.acceptance) == row.k and all(0 <= a <= 1 for a in row.acceptance)
+    # Trained modules: more than one token per verify step, hence fewer target calls than plain decoding.
+    assert row.mean_accepted_length > 1.5
+    assert row.target_calls < report.plain_target_calls == report.generated_tokens
+  text = demo.format_report(report)
+  assert " 3 | " in text and "yes" in text and "NO" not in text
+
+
+def test_run_demo_rejects_k_beyond_the_modules():
+  try:
+    demo.run_demo(num_prompts=1, max_new_tokens=4, ks=[4], repeats=1)
+  except ValueError as e:
+    assert "ks must lie in 1..3" in str(e)
+  else:
+    raise AssertionError("k = 4 was accepted")
