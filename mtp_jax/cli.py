@@ -7,17 +7,16 @@ import codecs
 import dataclasses
 import sys
 
+from mtp_jax import demo, train
+from mtp_jax.generate import generate
 
 
 def _demo(args) -> int:
-  from mtp_jax import demo
   return demo.main(num_prompts=args.num_prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
                    seed=args.seed, repeats=args.repeats, path=args.checkpoint)
 
 
 def _generate(args) -> int:
-  from mtp_jax import demo
-  from mtp_jax.generate import generate
   target, proposer, tok = demo.load_demo(args.checkpoint)
   # Training windows carry no BOS, so neither does the prompt.
   prompt = tok.encode(args.prompt, bos=False)
@@ -25,19 +24,22 @@ def _generate(args) -> int:
     raise SystemExit("--prompt must not be empty")
   decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
+  started = []
+
   def stream(new_tokens):
+    if not started:  # the first call comes after generate has checked its arguments
+      sys.stdout.write(args.prompt)
+      started.append(True)
     # A multi-byte character may arrive split across steps: the incremental decoder holds the head.
     sys.stdout.write(decoder.decode(bytes(t for t in new_tokens[0] if t < 256)))
     sys.stdout.flush()
 
-  sys.stdout.write(args.prompt)
   out = generate(target, proposer if args.num_drafts > 0 else None, [prompt], args.max_new_tokens,
                  num_drafts=args.num_drafts or None, temperature=args.temperature, seed=args.seed,
                  eos_token_id=tok.eos_id, stream=stream)
   sys.stdout.write(decoder.decode(b"", final=True) + "\n")
-  if args.num_drafts > 0:
-    print(f"[{out.stats['generated_tokens']} tokens, {out.stats['target_calls']} target calls, "
-          f"mean accepted length {out.stats['mean_accepted_length']:.2f}]", file=sys.stderr)
+  print(f"[{out.stats['generated_tokens']} tokens, {out.stats['target_calls']} target calls, "
+        f"mean accepted length {out.stats['mean_accepted_length']:.2f}]", file=sys.stderr)
   return 0
 
 
@@ -51,7 +53,6 @@ _MODEL_FLAGS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "inter
 
 
 def _train(args) -> int:
-  from mtp_jax import train
   given = {field: getattr(args, flag) for flag, field in _TRAIN_FLAGS.items() if getattr(args, flag) is not None}
   model_given = {flag: getattr(args, flag) for flag in _MODEL_FLAGS if getattr(args, flag) is not None}
   target_cfg = mtp_cfg = None
@@ -67,7 +68,8 @@ def _train(args) -> int:
         raise SystemExit("--recipe mimo needs --init-from CHECKPOINT")
       extra = set(model_given) - {"num_modules"}
       if extra:
-        raise SystemExit(f"--recipe mimo keeps the checkpoint's sizes; only --num-modules may change, got {sorted(extra)}")
+        raise SystemExit("--recipe mimo keeps the checkpoint's sizes; only --num-modules may change, "
+                         f"got {sorted(extra)}")
       mtp_cfg = train.read_config(args.init_from)["mtp"]
       mtp_cfg = dataclasses.replace(mtp_cfg, num_modules=model_given.get("num_modules", mtp_cfg.num_modules))
     else:
