@@ -8,11 +8,14 @@ from mtp_jax.target import (TargetModel, TargetState, init_target, init_target_s
                             target_state_dict, target_step)
 from mtp_jax.verify import verify_greedy, verify_relaxed, verify_sampling
 from mtp_jax.generate import GenerateOutput, generate
+from mtp_jax import checkpoint, data, grammar, layouts, sharding, train  # submodules, as namespaces
+from mtp_jax.demo import load_demo
 
 __all__ = [
     "BlockConfig", "MtpConfig", "TargetConfig", "KVCache", "MtpModel", "forward_chain", "init_mtp",
     "load_state_dict", "state_dict", "ProposerState", "after_verify", "checked", "init_state",
     "propose", "reset_slots", "TargetModel", "TargetState", "init_target", "init_target_state",
     "load_target_state_dict", "target_state_dict", "target_step", "verify_greedy", "verify_relaxed",
-    "verify_sampling", "GenerateOutput", "generate",
+    "verify_sampling", "GenerateOutput", "generate", "checkpoint", "data", "grammar", "layouts",
+    "sharding", "train", "load_demo",
 ]
