@@ -111,6 +111,28 @@ def variant_table(sizes, batches, drafts, budget_s, max_reps, torch: bool):
   print("\n".join(compile_))
 
 
+def memory_table(size, batches, k):
+  """Compiled scratch and XLA's 'bytes accessed' of the unrolled program vs the scan."""
+  params = mtp_jax.init_mtp(V.config(size), seed=0)
+  rows = ["| size | B | k | weights MB | caches MB | scratch MB: mtp_jax / scan | bytes accessed MB: mtp_jax / scan |",
+          "|---|---|---|---|---|---|---|"]
+  for b in batches:
+    step = V.warm_step(params, b, k)
+    scan = V.Scan(step)
+    stacked = scan.prepare(step)
+    args = (step.hiddens, step.tokens, step.num_new)
+    unrolled = V.donated_propose(k).lower(params, step.state, *args).compile()
+    scanned = V._scan_propose.lower(scan.graphdef, scan.layers, params.embed_tokens, params.lm_head, stacked, *args,
+                                    k=k).compile()
+    temp = [c.memory_analysis().temp_size_in_bytes / 1e6 for c in (unrolled, scanned)]
+    accessed = [c.cost_analysis().get("bytes accessed", float("nan")) / 1e6 for c in (unrolled, scanned)]
+    weights = sum(x.nbytes for x in jax.tree.leaves(scan.layers)) / 1e6
+    rows.append(f"| {size} | {b} | {k} | {weights:.1f} | {(stacked.k.nbytes + stacked.v.nbytes) / 1e6:.1f} | "
+                f"{temp[0]:.1f} / {temp[1]:.1f} | {accessed[0]:.1f} / {accessed[1]:.1f} |")
+  print("\nWhy the scan is slower: compiled scratch (memory_analysis) and XLA's bytes accessed (cost_analysis):\n")
+  print("\n".join(rows))
+
+
 def bf16_agreement(size: str, batch_size: int, steps: int, k: int, seed: int = 0):
   """Greedy drafts of bf16 (weights + caches) vs float32 over a random decode history.
 
@@ -204,6 +226,7 @@ def main(argv=None):
       f"{s}: V={V.SIZES[s]['vocab_size']}, heads {V.SIZES[s]['num_heads']}/{V.SIZES[s]['num_kv_heads']}x"
       f"{V.SIZES[s]['head_dim']}, F={V.SIZES[s]['intermediate_size']}" for s in sizes) + "\n")
   variant_table(sizes, batches, drafts, budget_s, max_reps, torch=not args.no_torch)
+  memory_table(sizes[-1], sorted({batches[0], batches[-1]}), drafts[0])
   if not args.no_bf16:
     bf16_table(sizes, sorted({batches[0], batches[-1]}), max(drafts), agree_batch, steps, budget_s, max_reps)
   print(f"\nTotal {time.perf_counter() - start:.0f} s; load average at the end {os.getloadavg()[0]:.1f}.")

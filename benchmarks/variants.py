@@ -45,7 +45,7 @@ SIZES = {
     # demo-like: the byte vocabulary of mtp_jax.data
     "D=256": dict(vocab_size=258, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
                   intermediate_size=704),
-    # weights dominate: 158 MB of module weights + a 16.8 MB LM head (float32)
+    # weights dominate: 160.5 MB of module weights + a 16.8 MB LM head (float32)
     "D=1024": dict(vocab_size=4096, hidden_size=1024, num_heads=8, num_kv_heads=2, head_dim=128,
                    intermediate_size=2816),
     # for the --quick smoke run
@@ -260,7 +260,8 @@ def _scan_propose(graphdef, layers, embed, lm_head, st: StackedState, hiddens, t
     out, valid, rows, cache = _module_rows(layer, embed, KVCache(ck, cv), ring_prev, prev_h, prev_start, drafts,
                                            tokens, st.num_pos, num_new, start, limit, i, w)
     ring = _write_ring(own_ring, out, rows, valid, limit)
-    d = jax.lax.cond(drafting, lambda: _draft(layer, lm_head, out, new_num_pos, start), lambda: jnp.zeros((b,), jnp.int32))
+    d = jax.lax.cond(drafting, lambda: _draft(layer, lm_head, out, new_num_pos, start),
+                     lambda: jnp.zeros((b,), jnp.int32))
     drafts = drafts.at[:, i].set(d)
     return (out, start, drafts), (cache.k, cache.v, ring, jnp.maximum(start, limit))
 
@@ -403,7 +404,8 @@ class Torch:
     drafts = torch.zeros((b, K), dtype=torch.long)
     prev_h, prev_start = hiddens.to(self._dtype()), num_pos
     old_tail = [x.clone() for x in st["tail"]]  # module i reads the ring module i - 1 had before this call
-    gather = lambda x, idx: torch.gather(x, 1, idx.view(idx.shape + (1,) * (x.ndim - 2)).expand(idx.shape + x.shape[2:]))
+    gather = lambda x, idx: torch.gather(x, 1, idx.view(idx.shape + (1,) * (x.ndim - 2)).expand(
+        idx.shape + x.shape[2:]))
     lengths = []
     for i in range(K):
       w, start = t + i, starts[i]

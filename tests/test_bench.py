@@ -33,6 +33,7 @@ def test_bench_propose_quick(capsys):
   for name in ("per-module jit, Python loop", "lax.scan over stacked params", "mtp_jax.propose, direct call"):
     assert name in out
   assert "bf16 vs float32 greedy drafts" in out and "| D=64 | 12 |" in out
+  assert "| D=64 | 2 | 2 | " in out.split("Why the scan is slower")[1]
 
 
 @pytest.mark.slow
@@ -47,5 +48,5 @@ def test_bandwidth_quick(capsys):
 def test_hot_path_ab_quick(capsys):
   hot_path_ab.main(["--quick"])
   out = capsys.readouterr().out
+  assert "| 4 | " in out.split("Weight streaming of a few-row dot")[1]
   assert "| D=64 | 2 | 1 | " in out  # the patched variants gave the library's drafts
-  assert "| D=64 | 2 |" in out.split("after_verify called directly")[1]
