@@ -13,7 +13,7 @@ from mtp_jax.generate import generate
 
 def _demo(args) -> int:
   return demo.main(num_prompts=args.num_prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
-                   seed=args.seed, repeats=args.repeats, path=args.checkpoint)
+                   seed=args.seed, repeats=args.repeats, ks=args.ks, path=args.checkpoint)
 
 
 def _generate(args) -> int:
@@ -94,6 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--max-new-tokens", type=int, default=128)
   p.add_argument("--seed", type=int, default=0, help="which held-out prompts")
   p.add_argument("--repeats", type=int, default=3, help="timed passes; the fastest counts")
+  p.add_argument("--ks", type=int, nargs="+", default=None, help="numbers of drafts to compare (default 1..K)")
   p.add_argument("--checkpoint", default=None, help="a training checkpoint directory instead of the shipped one")
   p.set_defaults(func=_demo)
 

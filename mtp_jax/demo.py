@@ -129,11 +129,11 @@ def format_report(report: DemoReport) -> str:
   return "\n".join(lines)
 
 
-def main(*, num_prompts: int, prompt_len: int, max_new_tokens: int, seed: int, repeats: int, path=None,
-         out: Callable[[str], None] = print) -> int:
+def main(*, num_prompts: int, prompt_len: int, max_new_tokens: int, seed: int, repeats: int,
+         ks: list[int] | None = None, path=None, out: Callable[[str], None] = print) -> int:
   """Runs the demo and prints the table; returns 1 if any speculative output differs from plain."""
   report = run_demo(num_prompts=num_prompts, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                    seed=seed, path=path, repeats=repeats)
+                    seed=seed, path=path, ks=ks, repeats=repeats)
   prompt, continuation = report.sample
   out(f"{num_prompts} held-out prompts of {prompt_len} bytes, {max_new_tokens} new tokens each, greedy, "
       f"one prompt at a time; times: the fastest of {repeats} passes, compile apart")
