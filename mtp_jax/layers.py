@@ -13,12 +13,16 @@ which `mode="drop"` discards: nothing can wrap around into another row or slot.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config import BlockConfig
+
+
+_FEW_ROWS = 8
 
 
 def _normal(rngs: nnx.Rngs, shape, std: float, dtype) -> jax.Array:
@@ -34,7 +38,13 @@ class Linear(nnx.Module):
     self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if bias else None
 
   def __call__(self, x_BxTxI: jax.Array) -> jax.Array:
-    y = jnp.einsum("...i,oi->...o", x_BxTxI, self.weight[...])
+    w = self.weight[...]
+    if math.prod(x_BxTxI.shape[:-1]) <= _FEW_ROWS:
+      # Decode steps have a handful of rows; XLA:CPU streams the weight at about twice the
+      # speed with it as the left operand (benchmarks/hot_path_ab.py, docs/performance.md).
+      y = jnp.moveaxis(jax.lax.dot_general(w, x_BxTxI, (((1,), (x_BxTxI.ndim - 1,)), ((), ()))), 0, -1)
+    else:
+      y = jnp.einsum("...i,oi->...o", x_BxTxI, w)
     return y if self.bias is None else y + self.bias[...]
 
 
