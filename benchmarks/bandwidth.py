@@ -25,14 +25,22 @@ from variants import mtp_jax
 
 def median_s(fn, make_input=lambda: (), reps: int = 20) -> float:
   """Median wall time of fn(*make_input()) over reps calls, inputs made outside the timer."""
-  jax.block_until_ready(fn(*make_input()))
-  ts = []
+  return interleaved_medians([(fn, make_input)], reps)[0]
+
+
+def interleaved_medians(cases, reps: int) -> list[float]:
+  """Median wall time of each (fn, make_input) case; the cases take turns rep by rep, so a
+  change in machine load hits them alike. Inputs are made outside the timer."""
+  for fn, make_input in cases:
+    jax.block_until_ready(fn(*make_input()))
+  times = [[] for _ in cases]
   for _ in range(reps):
-    args = make_input()
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append(time.perf_counter() - start)
-  return float(np.median(ts))
+    for (fn, make_input), ts in zip(cases, times):
+      args = make_input()
+      start = time.perf_counter()
+      jax.block_until_ready(fn(*args))
+      ts.append(time.perf_counter() - start)
+  return [float(np.median(ts)) for ts in times]
 
 
 def bandwidth(mbytes: int, reps: int) -> dict:
@@ -65,6 +73,18 @@ def bandwidth(mbytes: int, reps: int) -> dict:
       "numpy copy": 2 * gb / median_s(lambda: np.copyto(out, src), reps=reps),
       "numpy sum (read)": gb / median_s(src.sum, reps=reps),
   }
+
+
+def best(bw: dict) -> tuple[float, float]:
+  """(streaming, read) GB/s of the device's memory: the best of the `bandwidth` figures.
+
+  On the CPU both libraries measure the same memory; on an accelerator only jax measures its own.
+  """
+  host = jax.default_backend() == "cpu"
+  jax_stream = max(bw["jax copy"], bw["jax d += s (3 streams)"])
+  stream = max(jax_stream, bw["numpy copy"]) if host else jax_stream
+  read = max(bw["jax sum (read)"], bw["numpy sum (read)"]) if host else bw["jax sum (read)"]
+  return stream, read
 
 
 def propose_bytes(step: V.Step, new_state) -> dict:
@@ -113,11 +133,7 @@ def main(argv=None):
   size, mbytes, reps, drafts = ("D=64", 16, 3, (1,)) if args.quick else ("D=1024", 512, 20, (1, 3))
   print(f"Machine: {V.machine(with_torch=False)}\n")
   bw = bandwidth(mbytes, max(3, reps // 2))
-  # On the CPU both libraries measure the same memory; on an accelerator only jax measures its own.
-  host = jax.default_backend() == "cpu"
-  jax_stream = max(bw["jax copy"], bw["jax d += s (3 streams)"])
-  copy_bw = max(jax_stream, bw["numpy copy"]) if host else jax_stream
-  read_bw = max(bw["jax sum (read)"], bw["numpy sum (read)"]) if host else bw["jax sum (read)"]
+  copy_bw, read_bw = best(bw)
   print(f"Memory bandwidth ({mbytes} MB float32 array), GB/s: "
         + ", ".join(f"{name} {v:.1f}" for name, v in bw.items()) + "\n")
   params = mtp_jax.init_mtp(V.config(size), seed=0)
@@ -135,7 +151,23 @@ def main(argv=None):
     kv_alloc = nbytes.pop("KV cache allocated")
     valid = sum(nbytes.values())
     whole = valid - nbytes["KV rows valid"] + kv_alloc
-    t_prop = median_s(compiled, fresh_state, reps)
+    short = V.warm_step(params, 1, k, max_len=short_len)
+    short_run = V.MtpJax(short)
+    direct = V.MtpJaxDirect(step)
+    dispatch = jax.jit(lambda p, s, h, t, n: s.num_pos + n)
+    weights = [x for x in jax.tree.leaves(nnx.state(params, nnx.Param))]
+    read_all = jax.jit(lambda ws: sum(w.sum() for w in ws))
+    cases = [
+        ("propose, max_len 512 (jit, state donated)", compiled, fresh_state),
+        (f"propose, max_len {short_len}", short_run.call, lambda: (V.copy_tree(short.state),)),
+        ("propose, direct call (eager checks, no donation)", direct.call, lambda: (step.state,)),
+        ("after_verify, direct call", mtp_jax.after_verify, lambda: (new_state, step.num_new - 1)),
+        ("dispatch only: a trivial jit of the same arguments", dispatch, lambda: (params, step.state, *args)),
+        ("the decode step's matmuls alone", dense_only(params, step), lambda: ()),
+        ("sum of every weight once (read floor of the weights)", read_all, lambda: (weights,)),
+    ]
+    medians = interleaved_medians([(fn, make) for _, fn, make in cases], reps)
+    t_prop = medians[0]
     gbs = valid / t_prop / 1e9
     cost = compiled.cost_analysis()
     xla_bytes = cost.get("bytes accessed", float("nan")) if isinstance(cost, dict) else float("nan")
@@ -143,29 +175,12 @@ def main(argv=None):
                 f"{gbs / copy_bw:.2f} | {gbs / read_bw:.2f} | {xla_bytes / 1e6:.1f} |")
     print(f"k={k}: bytes by source (MB): " + ", ".join(f"{n} {v / 1e6:.2f}" for n, v in nbytes.items())
           + f", KV cache allocated {kv_alloc / 1e6:.2f}")
-
-    short = V.warm_step(params, 1, k, max_len=short_len)
-    short_run = V.MtpJax(short)
-    direct = V.MtpJaxDirect(step)
-    dispatch = jax.jit(lambda p, s, h, t, n: s.num_pos + n)
-    weights = [x for x in jax.tree.leaves(nnx.state(params, nnx.Param))]
-    read_all = jax.jit(lambda ws: sum(w.sum() for w in ws))
-    parts = [
-        ("propose, max_len 512 (jit, state donated)", t_prop),
-        (f"propose, max_len {short_len}", median_s(short_run.call, lambda: (V.copy_tree(short.state),), reps)),
-        ("propose, direct call (eager checks, no donation)", median_s(direct.call, lambda: (step.state,), reps)),
-        ("after_verify, direct call", median_s(mtp_jax.after_verify, lambda: (new_state, step.num_new - 1), reps)),
-        ("dispatch only: a trivial jit of the same arguments",
-         median_s(dispatch, lambda: (params, step.state, *args), reps)),
-        ("the decode step's matmuls alone", median_s(dense_only(params, step), reps=reps)),
-        ("sum of every weight once (read floor of the weights)", median_s(read_all, lambda: (weights,), reps)),
-    ]
-    for what, t in parts:
+    for (what, _, _), t in zip(cases, medians):
       profile.append(f"| {k} | {what} | {t * 1e3:.2f} | {t / t_prop:.2f} |")
   print(f"\nDecode-step propose at B=1, {size} (V={V.SIZES[size]['vocab_size']}), float32, K={V.K}:\n")
   print("\n".join(rows))
   print(f"\nRatios use the best streaming ({copy_bw:.1f} GB/s) and read ({read_bw:.1f} GB/s) figures above."
-        "\n\nWhere the time goes (same run):\n")
+        "\n\nWhere the time goes (same run; the rows take turns rep by rep):\n")
   print("\n".join(profile))
 
 

@@ -1,16 +1,18 @@
-"""A/B timing of candidate changes to mtp_jax's hot path, applied in this process by
-monkeypatching (no file under mtp_jax/ is edited):
+"""Why the library's `Linear` treats few-row inputs specially, and an A/B of a candidate change
+to its attention, applied in this process by monkeypatching (no file under mtp_jax/ is edited).
 
-- linear: `Linear` with at most 8 rows computes dot_general(weight, x) (weight as the dot's lhs)
-  and moves the output axis last. XLA:CPU runs a [few, in] x [out, in]^T dot well below memory
-  bandwidth; with the weight as lhs it streams 1.4-1.7x faster at 2-6 rows (the first table printed).
+- dot rows: how fast XLA:CPU streams the weights of a [rows, in] x [out, in]^T dot, as
+  `einsum("ti,oi->to")` and as `dot_general(W, x)` (the weight as the left operand). The second
+  form is what `Linear` uses for at most 8 rows since commit 7547f5e.
 - layout: KV caches laid out [B, Hkv, L, Dh] instead of [B, L, Hkv, Dh], so both attention dots
   have their batch dims (b, head) leading and XLA does not relayout a cache-sized operand.
 
-  python benchmarks/hot_path_ab.py            # dot speed by row count; D=1024, B in 1, 32, k in 1, 3
+  python benchmarks/hot_path_ab.py            # dot rows; D=1024, B in 1, 32, k in 1, 3
   python benchmarks/hot_path_ab.py --quick    # a tiny smoke run
 
-Every patched variant must give the unpatched drafts. Variants take turns rep by rep.
+The patched variant must give the unpatched drafts. Variants take turns rep by rep. The last
+column divides the bytes a decode step reads (`bandwidth.propose_bytes`, valid KV rows) by the
+median time and by the read bandwidth measured at the start of the same run.
 """
 
 from __future__ import annotations
@@ -24,21 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+import bandwidth
 import variants as V
 from mtp_jax import layers, proposer
 from variants import mtp_jax
-
-FEW_ROWS = 8
-
-
-def linear_weight_lhs(self, x_BxTxI):
-  rows = int(np.prod(x_BxTxI.shape[:-1]))
-  if rows > FEW_ROWS:
-    return _ORIGINAL["linear"](self, x_BxTxI)
-  y = jax.lax.dot_general(self.weight[...], x_BxTxI, (((1,), (x_BxTxI.ndim - 1,)), ((), ())))
-  y = jnp.moveaxis(y, 0, -1)
-  return y if self.bias is None else y + self.bias[...]
-
 
 def heads_major_zeros(cls, cfg, batch_size, max_len, dtype=None):
   shape = (batch_size, cfg.num_kv_heads, max_len, cfg.head_dim)
@@ -73,61 +64,59 @@ def heads_major_attention(self, x_BxTxD, rows_BxT, valid_BxT, cache, rope_offset
   return self.o_proj(out.astype(x_BxTxD.dtype)), new_cache
 
 
-_ORIGINAL = dict(linear=layers.Linear.__call__, attention=layers.Attention.__call__,
-                 zeros=layers.KVCache.__dict__["zeros"], max_len=proposer.ProposerState.__dict__["max_len"])
+_ORIGINAL = dict(attention=layers.Attention.__call__, zeros=layers.KVCache.__dict__["zeros"],
+                 max_len=proposer.ProposerState.__dict__["max_len"])
 
 
 @contextlib.contextmanager
-def patched(names):
-  """Applies the named patches ("linear", "layout") for the duration of the block."""
+def heads_major(enabled: bool):
+  """[B, Hkv, L, Dh] caches for the duration of the block (when enabled)."""
   try:
-    if "linear" in names:
-      layers.Linear.__call__ = linear_weight_lhs
-    if "layout" in names:
+    if enabled:
       layers.Attention.__call__ = heads_major_attention
       layers.KVCache.zeros = classmethod(heads_major_zeros)
       proposer.ProposerState.max_len = property(lambda s: s.kv[0].k.shape[2])
     yield
   finally:
-    layers.Linear.__call__ = _ORIGINAL["linear"]
     layers.Attention.__call__ = _ORIGINAL["attention"]
     layers.KVCache.zeros = _ORIGINAL["zeros"]
     proposer.ProposerState.max_len = _ORIGINAL["max_len"]
 
 
-def propose_ab(size, batches, drafts, reps):
-  variants = [(), ("linear",), ("layout",), ("linear", "layout")]
-  names = ["library", "linear", "layout", "linear + layout"]
-  rows = ["| size | B | k | " + " | ".join(f"{n} ms" for n in names) + " | scratch MB: library / layout |",
-          "|---" * (4 + len(names)) + "|"]
+def propose_ab(size, batches, drafts, reps, read_gbs):
+  """Rows of the A/B table; the last column is bytes read / time / read_gbs (the read bandwidth)."""
+  rows = ["| size | B | k | library ms | layout ms | scratch MB: library / layout | "
+          "share of read bandwidth: library / layout |", "|---" * 7 + "|"]
   params = mtp_jax.init_mtp(V.config(size), seed=0)
   for b in batches:
     for k in drafts:
       runs = []
-      for patch in variants:
-        with patched(patch):
+      for patch in (False, True):
+        with heads_major(patch):
           step = V.warm_step(params, b, k)
           # a fresh jit per patch: a cached trace would hold the unpatched code
           fn = jax.jit(lambda p, s, h, t, n: mtp_jax.propose(p, s, h, t, n, num_drafts=k), donate_argnums=1)
           compiled = fn.lower(params, step.state, step.hiddens, step.tokens, step.num_new).compile()
         call = functools.partial(lambda c, s, st: c(s.params, st, s.hiddens, s.tokens, s.num_new), compiled, step)
-        drafts_out, _ = jax.block_until_ready(call(V.copy_tree(step.state)))
+        drafts_out, new_state = jax.block_until_ready(call(V.copy_tree(step.state)))
         mem = compiled.memory_analysis()
+        if not patch:  # both read the same bytes; the unpatched state has the library's layout
+          nbytes = bandwidth.propose_bytes(step, new_state)
+          valid_bytes = sum(nbytes.values()) - nbytes["KV cache allocated"]
         runs.append(dict(call=call, state=step.state, drafts=np.asarray(drafts_out), times=[],
                          temp=mem.temp_size_in_bytes if mem is not None else float("nan")))
-      for r in runs[1:]:
-        assert np.array_equal(r["drafts"], runs[0]["drafts"]), "a patch changed the drafts"
+      assert np.array_equal(runs[1]["drafts"], runs[0]["drafts"]), "the layout changed the drafts"
       for _ in range(reps):
         for r in runs:
           inp = V.copy_tree(r["state"])
           start = time.perf_counter()
           jax.block_until_ready(r["call"](inp))
           r["times"].append(time.perf_counter() - start)
-      base = float(np.median(runs[0]["times"]))
-      cells = [f"{base * 1e3:.2f}"] + [f"{np.median(r['times']) * 1e3:.2f} ({np.median(r['times']) / base:.2f}×)"
-                                       for r in runs[1:]]
-      rows.append(f"| {size} | {b} | {k} | " + " | ".join(cells)
-                  + f" | {runs[0]['temp'] / 1e6:.1f} / {runs[2]['temp'] / 1e6:.1f} |")
+      library_s, layout_s = (float(np.median(r["times"])) for r in runs)
+      share = [valid_bytes / t / 1e9 / read_gbs for t in (library_s, layout_s)]
+      rows.append(f"| {size} | {b} | {k} | {library_s * 1e3:.2f} | {layout_s * 1e3:.2f} "
+                  f"({layout_s / library_s:.2f}×) | {runs[0]['temp'] / 1e6:.1f} / {runs[1]['temp'] / 1e6:.1f} | "
+                  f"{share[0]:.2f} / {share[1]:.2f} |")
   return rows
 
 
@@ -164,18 +153,26 @@ def dot_rows(out_features, in_features, count, row_counts, reps):
 
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--quick", action="store_true", help="D=64, B=2, k=1, 3 reps (a smoke test)")
+  ap.add_argument("--quick", action="store_true", help="tiny sizes, few reps (a smoke test)")
   args = ap.parse_args(argv)
-  size, batches, drafts, reps = ("D=64", [2], [1], 3) if args.quick else ("D=1024", [1, 32], [1, 3], 15)
+  if args.quick:
+    size, batches, drafts, reps, mbytes = "D=64", [2], [1], 3, 16
+    dot_shape, dot_count, dot_rows_list = (128, 64), 2, [1, 4]
+  else:
+    size, batches, drafts, reps, mbytes = "D=1024", [1, 32], [1, 3], 15, 512
+    dot_shape, dot_count, dot_rows_list = (2816, 1024), 14, [1, 2, 4, 6]
   print(f"Machine: {V.machine(with_torch=False)}\n")
-  shape, count = ((128, 64), 2) if args.quick else ((2816, 1024), 14)
-  nbytes, rows = dot_rows(*shape, count, [1, 2, 4, 6] if not args.quick else [1, 4], max(reps, 3) + 10)
-  print(f"Weight streaming of a few-row dot, GB/s (minimum time of {max(reps, 3) + 10} runs; {count} weights "
-        f"{list(shape)}, {nbytes / 1e6:.0f} MB float32):\n")
+  stream_gbs, read_gbs = bandwidth.best(bandwidth.bandwidth(mbytes, max(3, reps // 2)))
+  print(f"Memory bandwidth, best of jax and numpy on a {mbytes} MB array: streaming {stream_gbs:.1f} GB/s, "
+        f"read {read_gbs:.1f} GB/s\n")
+  dot_reps = reps + 10
+  nbytes, rows = dot_rows(*dot_shape, dot_count, dot_rows_list, dot_reps)
+  print(f"Weight streaming of a few-row dot, GB/s (minimum time of {dot_reps} runs; {dot_count} weights "
+        f"{list(dot_shape)}, {nbytes / 1e6:.0f} MB float32):\n")
   print("\n".join(rows) + "\n")
   print(f"Decode-step propose (jit, state donated), median ms, K={V.K}, max_len={V.MAX_LEN}, float32; "
-        f"linear: weight as the dot's lhs when x has <= {FEW_ROWS} rows; layout: [B, Hkv, L, Dh] caches.\n")
-  print("\n".join(propose_ab(size, batches, drafts, reps)))
+        "library caches [B, L, Hkv, Dh], layout: [B, Hkv, L, Dh].\n")
+  print("\n".join(propose_ab(size, batches, drafts, reps, read_gbs)))
 
 
 if __name__ == "__main__":
