@@ -5,8 +5,9 @@
 
 A decode step at B=1 must read every module's weights, the LM head once per draft (drafts are
 sequential), the embedding rows of its windows, and the KV rows it attends over. Achieved
-bytes/s = those bytes / the median call; the machine's bandwidth is measured in the same run
-(a large array copied and summed, with jax and with numpy).
+bytes/s = those bytes / the median call. The machine's bandwidth (a large array copied and
+summed, with jax and with numpy) is timed in the same reps, taking turns with propose, so both
+see the same load on a shared machine.
 """
 
 from __future__ import annotations
@@ -21,11 +22,6 @@ from flax import nnx
 
 import variants as V
 from variants import mtp_jax
-
-
-def median_s(fn, make_input=lambda: (), reps: int = 20) -> float:
-  """Median wall time of fn(*make_input()) over reps calls, inputs made outside the timer."""
-  return interleaved_medians([(fn, make_input)], reps)[0]
 
 
 def interleaved_medians(cases, reps: int) -> list[float]:
@@ -43,8 +39,9 @@ def interleaved_medians(cases, reps: int) -> list[float]:
   return [float(np.median(ts)) for ts in times]
 
 
-def bandwidth(mbytes: int, reps: int) -> dict:
-  """GB/s of streaming (all bytes read and written counted) and summing (read) mbytes float32 arrays.
+def reference_cases(mbytes: int) -> dict:
+  """{name: (fn, make_input, bytes moved)}: streaming (all bytes read and written counted) and
+  summing (read) mbytes float32 arrays, with jax and numpy.
 
   Copies go into a destination whose pages are already touched (numpy: preallocated; jax: the
   donated previous output), so page faults are not timed.
@@ -64,19 +61,27 @@ def bandwidth(mbytes: int, reps: int) -> dict:
   src = np.arange(n, dtype=np.float32)
   out = np.empty_like(src)
   out[:] = 0
-  gb = n * 4 / 1e9
+  nbytes = n * 4
+  no_input = lambda: ()
   return {
-      "jax copy": 2 * gb / median_s(into_dst(lambda d, s: jnp.copy(s)), reps=reps),
+      "jax copy": (into_dst(lambda d, s: jnp.copy(s)), no_input, 2 * nbytes),
       # XLA:CPU streams d + s (two reads, one write) much faster than a plain copy
-      "jax d += s (3 streams)": 3 * gb / median_s(into_dst(lambda d, s: d + s), reps=reps),
-      "jax sum (read)": gb / median_s(jax.jit(jnp.sum), lambda: (x,), reps),
-      "numpy copy": 2 * gb / median_s(lambda: np.copyto(out, src), reps=reps),
-      "numpy sum (read)": gb / median_s(src.sum, reps=reps),
+      "jax d += s (3 streams)": (into_dst(lambda d, s: d + s), no_input, 3 * nbytes),
+      "jax sum (read)": (jax.jit(jnp.sum), lambda: (x,), nbytes),
+      "numpy copy": (lambda: np.copyto(out, src), no_input, 2 * nbytes),
+      "numpy sum (read)": (src.sum, no_input, nbytes),
   }
 
 
+def timed_with_references(cases, refs: dict, reps: int) -> tuple[list[float], dict]:
+  """Medians of cases [(fn, make_input)] and GB/s of the reference cases, all interleaved."""
+  medians = interleaved_medians(list(cases) + [(fn, make) for fn, make, _ in refs.values()], reps)
+  gbs = {name: nbytes / t / 1e9 for (name, (_, _, nbytes)), t in zip(refs.items(), medians[len(cases):])}
+  return medians[:len(cases)], gbs
+
+
 def best(bw: dict) -> tuple[float, float]:
-  """(streaming, read) GB/s of the device's memory: the best of the `bandwidth` figures.
+  """(streaming, read) GB/s of the device's memory: the best of the reference figures.
 
   On the CPU both libraries measure the same memory; on an accelerator only jax measures its own.
   """
@@ -132,14 +137,11 @@ def main(argv=None):
   args = ap.parse_args(argv)
   size, mbytes, reps, drafts = ("D=64", 16, 3, (1,)) if args.quick else ("D=1024", 512, 20, (1, 3))
   print(f"Machine: {V.machine(with_torch=False)}\n")
-  bw = bandwidth(mbytes, max(3, reps // 2))
-  copy_bw, read_bw = best(bw)
-  print(f"Memory bandwidth ({mbytes} MB float32 array), GB/s: "
-        + ", ".join(f"{name} {v:.1f}" for name, v in bw.items()) + "\n")
+  refs = reference_cases(mbytes)
   params = mtp_jax.init_mtp(V.config(size), seed=0)
   short_len = V.PROMPT_T + 8
   rows = ["| k | bytes read, valid KV rows (MB) | with whole KV cache (MB) | median ms | GB/s (valid) | "
-          "/ stream GB/s | / read GB/s | XLA 'bytes accessed' (MB) |", "|---" * 8 + "|"]
+          "stream / read GB/s (same reps) | / stream | / read | XLA 'bytes accessed' (MB) |", "|---" * 9 + "|"]
   profile = ["| k | what | median ms | share of propose |", "|---|---|---|---|"]
   for k in drafts:
     step = V.warm_step(params, 1, k)
@@ -166,21 +168,25 @@ def main(argv=None):
         ("the decode step's matmuls alone", dense_only(params, step), lambda: ()),
         ("sum of every weight once (read floor of the weights)", read_all, lambda: (weights,)),
     ]
-    medians = interleaved_medians([(fn, make) for _, fn, make in cases], reps)
+    medians, bw = timed_with_references([(fn, make) for _, fn, make in cases], refs, reps)
+    stream_bw, read_bw = best(bw)
     t_prop = medians[0]
     gbs = valid / t_prop / 1e9
     cost = compiled.cost_analysis()
     xla_bytes = cost.get("bytes accessed", float("nan")) if isinstance(cost, dict) else float("nan")
     rows.append(f"| {k} | {valid / 1e6:.1f} | {whole / 1e6:.1f} | {t_prop * 1e3:.2f} | {gbs:.1f} | "
-                f"{gbs / copy_bw:.2f} | {gbs / read_bw:.2f} | {xla_bytes / 1e6:.1f} |")
+                f"{stream_bw:.1f} / {read_bw:.1f} | {gbs / stream_bw:.2f} | {gbs / read_bw:.2f} | "
+                f"{xla_bytes / 1e6:.1f} |")
     print(f"k={k}: bytes by source (MB): " + ", ".join(f"{n} {v / 1e6:.2f}" for n, v in nbytes.items())
           + f", KV cache allocated {kv_alloc / 1e6:.2f}")
+    print(f"k={k}: memory bandwidth ({mbytes} MB float32 arrays, timed in turn with the rows below), GB/s: "
+          + ", ".join(f"{name} {v:.1f}" for name, v in bw.items()))
     for (what, _, _), t in zip(cases, medians):
       profile.append(f"| {k} | {what} | {t * 1e3:.2f} | {t / t_prop:.2f} |")
-  print(f"\nDecode-step propose at B=1, {size} (V={V.SIZES[size]['vocab_size']}), float32, K={V.K}:\n")
+  print(f"\nDecode-step propose at B=1, {size} (V={V.SIZES[size]['vocab_size']}), float32, K={V.K}; ratios "
+        "against the best streaming and read figures measured in the same reps:\n")
   print("\n".join(rows))
-  print(f"\nRatios use the best streaming ({copy_bw:.1f} GB/s) and read ({read_bw:.1f} GB/s) figures above."
-        "\n\nWhere the time goes (same run; the rows take turns rep by rep):\n")
+  print("\nWhere the time goes (same run; the rows and the bandwidth references take turns rep by rep):\n")
   print("\n".join(profile))
 
 

@@ -12,7 +12,8 @@ to its attention, applied in this process by monkeypatching (no file under mtp_j
 
 The patched variant must give the unpatched drafts. Variants take turns rep by rep. The last
 column divides the bytes a decode step reads (`bandwidth.propose_bytes`, valid KV rows) by the
-median time and by the read bandwidth measured at the start of the same run.
+median time and by the read bandwidth (best of jax and numpy, a 512 MB array) timed in the
+same reps.
 """
 
 from __future__ import annotations
@@ -83,8 +84,9 @@ def heads_major(enabled: bool):
     proposer.ProposerState.max_len = _ORIGINAL["max_len"]
 
 
-def propose_ab(size, batches, drafts, reps, read_gbs):
-  """Rows of the A/B table; the last column is bytes read / time / read_gbs (the read bandwidth)."""
+def propose_ab(size, batches, drafts, reps, refs):
+  """Rows of the A/B table; the last column is bytes read / time / the read bandwidth, timed in
+  turn with the two variants (`refs`: bandwidth.reference_cases)."""
   rows = ["| size | B | k | library ms | layout ms | scratch MB: library / layout | "
           "share of read bandwidth: library / layout |", "|---" * 7 + "|"]
   params = mtp_jax.init_mtp(V.config(size), seed=0)
@@ -103,16 +105,12 @@ def propose_ab(size, batches, drafts, reps, read_gbs):
         if not patch:  # both read the same bytes; the unpatched state has the library's layout
           nbytes = bandwidth.propose_bytes(step, new_state)
           valid_bytes = sum(nbytes.values()) - nbytes["KV cache allocated"]
-        runs.append(dict(call=call, state=step.state, drafts=np.asarray(drafts_out), times=[],
+        runs.append(dict(call=call, state=step.state, drafts=np.asarray(drafts_out),
                          temp=mem.temp_size_in_bytes if mem is not None else float("nan")))
       assert np.array_equal(runs[1]["drafts"], runs[0]["drafts"]), "the layout changed the drafts"
-      for _ in range(reps):
-        for r in runs:
-          inp = V.copy_tree(r["state"])
-          start = time.perf_counter()
-          jax.block_until_ready(r["call"](inp))
-          r["times"].append(time.perf_counter() - start)
-      library_s, layout_s = (float(np.median(r["times"])) for r in runs)
+      cases = [(r["call"], functools.partial(lambda st: (V.copy_tree(st),), r["state"])) for r in runs]
+      (library_s, layout_s), bw = bandwidth.timed_with_references(cases, refs, reps)
+      read_gbs = bandwidth.best(bw)[1]
       share = [valid_bytes / t / 1e9 / read_gbs for t in (library_s, layout_s)]
       rows.append(f"| {size} | {b} | {k} | {library_s * 1e3:.2f} | {layout_s * 1e3:.2f} "
                   f"({layout_s / library_s:.2f}×) | {runs[0]['temp'] / 1e6:.1f} / {runs[1]['temp'] / 1e6:.1f} | "
@@ -162,9 +160,7 @@ def main(argv=None):
     size, batches, drafts, reps, mbytes = "D=1024", [1, 32], [1, 3], 15, 512
     dot_shape, dot_count, dot_rows_list = (2816, 1024), 14, [1, 2, 4, 6]
   print(f"Machine: {V.machine(with_torch=False)}\n")
-  stream_gbs, read_gbs = bandwidth.best(bandwidth.bandwidth(mbytes, max(3, reps // 2)))
-  print(f"Memory bandwidth, best of jax and numpy on a {mbytes} MB array: streaming {stream_gbs:.1f} GB/s, "
-        f"read {read_gbs:.1f} GB/s\n")
+  refs = bandwidth.reference_cases(mbytes)
   dot_reps = reps + 10
   nbytes, rows = dot_rows(*dot_shape, dot_count, dot_rows_list, dot_reps)
   print(f"Weight streaming of a few-row dot, GB/s (minimum time of {dot_reps} runs; {dot_count} weights "
@@ -172,7 +168,7 @@ def main(argv=None):
   print("\n".join(rows) + "\n")
   print(f"Decode-step propose (jit, state donated), median ms, K={V.K}, max_len={V.MAX_LEN}, float32; "
         "library caches [B, L, Hkv, Dh], layout: [B, Hkv, L, Dh].\n")
-  print("\n".join(propose_ab(size, batches, drafts, reps, read_gbs)))
+  print("\n".join(propose_ab(size, batches, drafts, reps, refs)))
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def test_bench_propose_quick(capsys):
 def test_bandwidth_quick(capsys):
   bandwidth.main(["--quick"])
   out = capsys.readouterr().out
-  assert "Memory bandwidth (16 MB float32 array)" in out
+  assert "memory bandwidth (16 MB float32 arrays" in out
   assert "| 1 | propose, max_len 512 (jit, state donated) |" in out
 
 
