@@ -74,9 +74,9 @@ def test_the_checks_catch_a_copy():
 def test_propose_donated_compiles_without_a_cache_copy():
   """Outputs alias the donated caches; scratch stays below one module's k + v caches.
 
-  The scratch bound leaves room for what XLA:CPU does today: it lays one module's V cache out
-  transposed for the probs @ V dot (a reused [B, Hkv, Dh, L] buffer; see docs/performance.md).
-  A copy of the caches, or of more than one module's cache, fails.
+  The scratch bound leaves room for what XLA:CPU does today: for the attention dots it lays a
+  module's cache out again in a reused scratch buffer (here the V cache as [B, Hkv, Dh, L]; see
+  docs/performance.md, fix 2). A copy of the caches, or of more than one module's, fails.
   """
   state = mtp_jax.init_state(CFG, B, MAX_LEN)
   temp, fresh_out = copied_bytes(donated_propose.lower(MODEL, state, HIDDENS, TOKENS, NUM_NEW).compile())
