@@ -79,20 +79,20 @@ class _Settings:
   mesh: jax.sharding.Mesh | None = None
 
 
-def _emit(s: LoopState, new_BxJ, n_emit_B, cfg: _Settings, active_B) -> LoopState:
-  """Appends new_BxJ[:, :n] to the output, cut at eos and at max_new_tokens."""
+def _emit(s: LoopState, new_BxJ, n_emit_B, cfg: _Settings, active_B) -> tuple[LoopState, jax.Array]:
+  """Appends new_BxJ[:, :n] to the output, cut at eos and at max_new_tokens; returns (state, n int32[B])."""
   j = new_BxJ.shape[1]
   n = jnp.minimum(n_emit_B, cfg.max_new_tokens - s.num_out)
+  hit_eos_B = jnp.zeros_like(active_B)
   if cfg.eos_token_id is not None:
     is_eos = (new_BxJ == cfg.eos_token_id) & (jnp.arange(j)[None] < n[:, None])
-    n = jnp.where(jnp.any(is_eos, axis=1), jnp.argmax(is_eos, axis=1) + 1, n)
+    hit_eos_B = active_B & jnp.any(is_eos, axis=1)
+    n = jnp.where(hit_eos_B, jnp.argmax(is_eos, axis=1) + 1, n)
   n = jnp.where(active_B, n, 0)
   cols = jnp.where(jnp.arange(j)[None] < n[:, None], s.num_out[:, None] + jnp.arange(j)[None], s.out.shape[1])
   out = s.out.at[jnp.arange(new_BxJ.shape[0])[:, None], cols].set(new_BxJ, mode="drop")
   num_out = s.num_out + n
-  done = s.done | (num_out >= cfg.max_new_tokens)
-  if cfg.eos_token_id is not None:
-    done = done | (active_B & jnp.any((new_BxJ == cfg.eos_token_id) & (jnp.arange(j)[None] < n[:, None]), axis=1))
+  done = s.done | (num_out >= cfg.max_new_tokens) | hit_eos_B
   return s.set(out=out, num_out=num_out, done=done), n
 
 
