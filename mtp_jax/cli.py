@@ -62,6 +62,10 @@ def _train(args) -> int:
     saved = train.read_config(args.resume)["train"] or train.TrainConfig()
     cfg = dataclasses.replace(saved, **given)
   else:
+    if args.preset is not None:
+      preset_model, preset_train = train.PRESETS[args.preset]
+      given = {**preset_train, **given}
+      model_given = {**preset_model, **model_given}
     cfg = train.TrainConfig(**given)
     if cfg.recipe == "mimo":
       if args.init_from is None:
@@ -116,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--stop-at", type=int, default=None,
                  help="stop after this step with a checkpoint; --resume continues the same schedule")
   p.add_argument("--recipe", choices=("joint", "mimo"), default=None)
+  p.add_argument("--preset", choices=sorted(train.PRESETS), default=None,
+                 help="the sizes and settings of a shipped demo model (flags given override it)")
   for flag, kind in (("steps", int), ("batch_size", int), ("seq_len", int), ("lr", float),
                      ("warmup_steps", int), ("weight_decay", float), ("mtp_weight", float),
                      ("eval_every", int), ("save_every", int), ("seed", int)):

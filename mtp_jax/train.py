@@ -43,14 +43,33 @@ EVAL_SEED = 1234  # held-out windows are the same for every run, so evaluations 
 
 
 def model_configs(*, hidden_size: int = 128, num_layers: int = 4, num_heads: int = 4, num_kv_heads: int = 2,
-                  intermediate_size: int = 384, num_modules: int = 3) -> tuple[TargetConfig, MtpConfig]:
-  """A target and an MTP config of matching width; the defaults are the shipped demo models' sizes."""
+                  intermediate_size: int = 384, num_modules: int = 3, output_normed_hidden: bool = False,
+                  pass_normed_hidden: bool = False) -> tuple[TargetConfig, MtpConfig]:
+  """A target and an MTP config of matching width; the defaults are the small demo models' sizes.
+
+  output_normed_hidden / pass_normed_hidden: the chain's conventions (see TargetConfig, MtpConfig).
+  """
   if hidden_size % num_heads:
     raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads})")
   block = dict(hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
                head_dim=hidden_size // num_heads, intermediate_size=intermediate_size,
                vocab_size=data.VOCAB_SIZE)
-  return TargetConfig(num_layers=num_layers, **block), MtpConfig(num_modules=num_modules, **block)
+  return (TargetConfig(num_layers=num_layers, output_normed_hidden=output_normed_hidden, **block),
+          MtpConfig(num_modules=num_modules, pass_normed_hidden=pass_normed_hidden, **block))
+
+
+# Named recipes that reproduce the shipped demo models: (model_configs kwargs, TrainConfig kwargs).
+# "demo-small": mtp_jax/assets/small (0.85M-parameter target, compute-bound on a CPU).
+# "demo-large": mtp_jax/assets/large (12.8M+ parameters, about 64 MB in float32: a target whose
+# weights do not fit in a CPU's caches, so a decode step is bound by memory bandwidth, as real
+# MTP targets are). Its chain follows transformers' MtpModel: the target hands module 1 its
+# post-final-norm hidden and each module hands the next its post-norm hidden.
+PRESETS = {
+    "demo-small": (dict(), dict(steps=1500)),
+    "demo-large": (dict(hidden_size=384, num_layers=10, num_heads=6, num_kv_heads=2, intermediate_size=1024,
+                        num_modules=3, output_normed_hidden=True, pass_normed_hidden=True),
+                   dict(steps=1500, learning_rate=2e-3, warmup_steps=100)),
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
