@@ -29,7 +29,8 @@ import numpy as np
 
 import bandwidth
 import variants as V
-from mtp_jax import layers, proposer
+from mtp_jax.blocks import attention, cache as cache_lib
+from mtp_jax.blocks.rope import rope
 from variants import mtp_jax
 
 def heads_major_zeros(cls, cfg, batch_size, max_len, dtype=None):
@@ -46,15 +47,15 @@ def heads_major_attention(self, x_BxTxD, rows_BxT, valid_BxT, cache, rope_offset
   hkv, dh = self.num_kv_heads, self.head_dim
   g = self.num_heads // hkv
   pos_BxT = rows_BxT + rope_offset
-  q = layers.rope(self.q_proj(x_BxTxD).reshape(b, t, hkv * g, dh), pos_BxT, self.rope_theta)
-  k = layers.rope(self.k_proj(x_BxTxD).reshape(b, t, hkv, dh), pos_BxT, self.rope_theta)
+  q = rope(self.q_proj(x_BxTxD).reshape(b, t, hkv * g, dh), pos_BxT, self.rope_theta)
+  k = rope(self.k_proj(x_BxTxD).reshape(b, t, hkv, dh), pos_BxT, self.rope_theta)
   v = self.v_proj(x_BxTxD).reshape(b, t, hkv, dh)
   max_len = cache.k.shape[2]
   write_BxT = jnp.where(valid_BxT, rows_BxT, max_len)
   b_idx = jnp.arange(b)[:, None]
   # [b_idx, :, write] indexes [B, T, Hkv, Dh]: the advanced indices' dims come first
-  new_cache = layers.KVCache(cache.k.at[b_idx, :, write_BxT].set(k.astype(cache.k.dtype), mode="drop"),
-                             cache.v.at[b_idx, :, write_BxT].set(v.astype(cache.v.dtype), mode="drop"))
+  new_cache = cache_lib.KVCache(cache.k.at[b_idx, :, write_BxT].set(k.astype(cache.k.dtype), mode="drop"),
+                                cache.v.at[b_idx, :, write_BxT].set(v.astype(cache.v.dtype), mode="drop"))
   q = q.reshape(b, t, hkv, g, dh)
   scores = jnp.einsum("btkgd,bksd->bkgts", q, new_cache.k.astype(q.dtype),
                       preferred_element_type=jnp.float32) * dh**-0.5
@@ -65,8 +66,8 @@ def heads_major_attention(self, x_BxTxD, rows_BxT, valid_BxT, cache, rope_offset
   return self.o_proj(out.astype(x_BxTxD.dtype)), new_cache
 
 
-_ORIGINAL = dict(attention=layers.Attention.__call__, zeros=layers.KVCache.__dict__["zeros"],
-                 max_len=proposer.ProposerState.__dict__["max_len"])
+_ORIGINAL = dict(attention=attention.Attention.__call__, zeros=cache_lib.KVCache.__dict__["zeros"],
+                 max_len=cache_lib.KVCache.__dict__["max_len"])
 
 
 @contextlib.contextmanager
@@ -74,14 +75,14 @@ def heads_major(enabled: bool):
   """[B, Hkv, L, Dh] caches for the duration of the block (when enabled)."""
   try:
     if enabled:
-      layers.Attention.__call__ = heads_major_attention
-      layers.KVCache.zeros = classmethod(heads_major_zeros)
-      proposer.ProposerState.max_len = property(lambda s: s.kv[0].k.shape[2])
+      attention.Attention.__call__ = heads_major_attention
+      cache_lib.KVCache.zeros = classmethod(heads_major_zeros)
+      cache_lib.KVCache.max_len = property(lambda c: c.k.shape[2])
     yield
   finally:
-    layers.Attention.__call__ = _ORIGINAL["attention"]
-    layers.KVCache.zeros = _ORIGINAL["zeros"]
-    proposer.ProposerState.max_len = _ORIGINAL["max_len"]
+    attention.Attention.__call__ = _ORIGINAL["attention"]
+    cache_lib.KVCache.zeros = _ORIGINAL["zeros"]
+    cache_lib.KVCache.max_len = _ORIGINAL["max_len"]
 
 
 def propose_ab(size, batches, drafts, reps, refs):

@@ -35,7 +35,7 @@ try:
 except ImportError:  # run as `python benchmarks/x.py` from a checkout that is not pip-installed
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
   import mtp_jax
-from mtp_jax.layers import KVCache
+from mtp_jax.blocks import KVCache
 from mtp_jax.proposer import ProposerState
 
 K = 3

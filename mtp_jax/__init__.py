@@ -1,7 +1,7 @@
 """mtp_jax: multi-token-prediction (MTP) speculative decoding in JAX / Flax NNX."""
 
+from mtp_jax.blocks import KVCache
 from mtp_jax.config import BlockConfig, MtpConfig, TargetConfig
-from mtp_jax.layers import KVCache
 from mtp_jax.mtp import MtpModel, forward_chain, init_mtp, load_state_dict, state_dict
 from mtp_jax.proposer import ProposerState, after_verify, checked, init_state, propose, reset_slots
 from mtp_jax.target import (TargetModel, TargetState, init_target, init_target_state, load_target_state_dict,

@@ -15,18 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp_jax.blocks import Block, Embed, KVCache, Linear, RMSNorm, module_state_dict
 from mtp_jax.config import MtpConfig
-from mtp_jax.layers import Block, KVCache, Linear, RMSNorm, module_state_dict
-
-
-class Embed(nnx.Module):
-  """Token embedding; weight float[V, D]."""
-
-  def __init__(self, vocab_size: int, dim: int, *, dtype, rngs: nnx.Rngs):
-    self.weight = nnx.Param(jax.random.normal(rngs.params(), (vocab_size, dim), jnp.float32).astype(dtype))
-
-  def __call__(self, tokens_BxT: jax.Array) -> jax.Array:
-    return jnp.take(self.weight[...], tokens_BxT, axis=0)
 
 
 class MtpModule(nnx.Module):

@@ -32,8 +32,8 @@ import numpy as np
 from jax.experimental import checkify
 
 from mtp_jax import grammar as grammar_lib
+from mtp_jax.blocks import KVCache, init_cache
 from mtp_jax.config import MtpConfig
-from mtp_jax.layers import KVCache
 from mtp_jax.mtp import MtpModel
 from mtp_jax.sampling import sample
 
@@ -65,7 +65,7 @@ class ProposerState:
 
   @property
   def max_len(self) -> int:
-    return self.kv[0].k.shape[1]
+    return self.kv[0].max_len
 
 
 def init_state(cfg: MtpConfig, batch_size: int, max_len: int, *, keep_draft_probs: bool = False,
@@ -80,7 +80,7 @@ def init_state(cfg: MtpConfig, batch_size: int, max_len: int, *, keep_draft_prob
   k, d = cfg.num_modules, cfg.hidden_size
   dtype = jnp.dtype(dtype or cfg.jnp_dtype)
   return ProposerState(
-      kv=tuple(KVCache.zeros(cfg, batch_size, max_len, dtype) for _ in range(k)),
+      kv=tuple(init_cache(cfg, batch_size, max_len, dtype) for _ in range(k)),
       tail=tuple(jnp.zeros((batch_size, k, d), dtype) for _ in range(k - 1)),
       lengths=jnp.zeros((k, batch_size), jnp.int32),
       num_pos=jnp.zeros((batch_size,), jnp.int32),

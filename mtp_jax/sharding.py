@@ -20,7 +20,7 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from mtp_jax.layers import KVCache
+from mtp_jax.blocks import KVCache
 from mtp_jax.mtp import MtpModel
 from mtp_jax.proposer import ProposerState
 from mtp_jax.target import TargetModel, TargetState

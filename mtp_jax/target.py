@@ -9,9 +9,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtp_jax.blocks import Block, Embed, KVCache, Linear, RMSNorm, init_cache
 from mtp_jax.config import TargetConfig
-from mtp_jax.layers import Block, KVCache, Linear, RMSNorm
-from mtp_jax.mtp import Embed, assign_state_dict, param_names
+from mtp_jax.mtp import assign_state_dict, param_names
 
 
 class TargetModel(nnx.Module):
@@ -52,12 +52,12 @@ class TargetState:
 
   @property
   def max_len(self) -> int:
-    return self.kv[0].k.shape[1]
+    return self.kv[0].max_len
 
 
 def init_target_state(cfg: TargetConfig, batch_size: int, max_len: int, *, dtype=None) -> TargetState:
   """Empty caches for batch_size sequences of at most max_len positions."""
-  return TargetState(kv=tuple(KVCache.zeros(cfg, batch_size, max_len, dtype) for _ in range(cfg.num_layers)),
+  return TargetState(kv=tuple(init_cache(cfg, batch_size, max_len, dtype) for _ in range(cfg.num_layers)),
                      length=jnp.zeros((batch_size,), jnp.int32))
 
 

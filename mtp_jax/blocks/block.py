@@ -1,0 +1,36 @@
+"""The pre-norm transformer block shared by the target and the MTP modules, and its cache."""
+
+from __future__ import annotations
+
+from flax import nnx
+
+from mtp_jax.blocks.attention import Attention
+from mtp_jax.blocks.cache import KVCache
+from mtp_jax.blocks.mlp import Mlp
+from mtp_jax.blocks.norms import RMSNorm
+from mtp_jax.config import BlockConfig
+
+
+def init_cache(cfg: BlockConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
+  """An empty cache of the kind cfg's attention uses, for batch_size sequences of max_len rows.
+
+  dtype: cache dtype (default cfg.dtype).
+  """
+  return KVCache.zeros(cfg, batch_size, max_len, dtype)
+
+
+class Block(nnx.Module):
+  """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+  def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs):
+    dt = cfg.jnp_dtype
+    self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dt)
+    self.self_attn = Attention(cfg, rngs=rngs)
+    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dt)
+    self.mlp = Mlp(cfg, rngs=rngs)
+
+  def __call__(self, x_BxTxD, rows_BxT, valid_BxT, cache: KVCache | None, rope_offset: int = 0):
+    """Same arguments as Attention; returns (dtype[B, T, D], new cache or None)."""
+    attn, cache = self.self_attn(self.input_layernorm(x_BxTxD), rows_BxT, valid_BxT, cache, rope_offset)
+    h = x_BxTxD + attn
+    return h + self.mlp(self.post_attention_layernorm(h)), cache

@@ -1,0 +1,22 @@
+"""The dense SwiGLU feed-forward layer."""
+
+from __future__ import annotations
+
+import jax
+from flax import nnx
+
+from mtp_jax.blocks.linear import Linear
+from mtp_jax.config import BlockConfig
+
+
+class Mlp(nnx.Module):
+  """down(silu(gate(x)) * up(x))."""
+
+  def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs):
+    d, f, dt = cfg.hidden_size, cfg.intermediate_size, cfg.jnp_dtype
+    self.gate_proj = Linear(d, f, dtype=dt, rngs=rngs)
+    self.up_proj = Linear(d, f, dtype=dt, rngs=rngs)
+    self.down_proj = Linear(f, d, dtype=dt, rngs=rngs)
+
+  def __call__(self, x_BxTxD):
+    return self.down_proj(jax.nn.silu(self.gate_proj(x_BxTxD)) * self.up_proj(x_BxTxD))
