@@ -68,7 +68,7 @@ PRESETS = {
     "demo-small": (dict(), dict(steps=1500)),
     "demo-large": (dict(hidden_size=384, num_layers=10, num_heads=6, num_kv_heads=2, intermediate_size=1024,
                         num_modules=3, output_normed_hidden=True, pass_normed_hidden=True),
-                   dict(steps=1500, learning_rate=2e-3, warmup_steps=100)),
+                   dict(steps=800, learning_rate=2e-3, warmup_steps=100)),
 }
 
 
