@@ -12,7 +12,9 @@ import re
 from collections.abc import Iterable, Mapping
 
 import numpy as np
+from flax import nnx
 
+from mtp_jax import mtp
 from mtp_jax.checkpoint import CheckpointReader, save_tensors
 from mtp_jax.config import MtpConfig
 
@@ -45,20 +47,13 @@ _QWEN3_NEXT_SHARED = {"enorm.weight": "mtp.pre_fc_norm_embedding.weight",
 
 
 def canonical_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
-  """Every canonical name -> shape, e.g. mtp.0.eh_proj.weight -> (D, 2D), lm_head -> (V, D)."""
-  d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
-  q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-  module = {"enorm.weight": (d,), "hnorm.weight": (d,), "eh_proj.weight": (d, 2 * d),
-            "input_layernorm.weight": (d,), "self_attn.q_proj.weight": (q, d),
-            "self_attn.k_proj.weight": (kv, d), "self_attn.v_proj.weight": (kv, d),
-            "self_attn.o_proj.weight": (d, q), "post_attention_layernorm.weight": (d,),
-            "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d),
-            "mlp.down_proj.weight": (d, f), "shared_head.norm.weight": (d,)}
-  if cfg.attention_bias:
-    module |= {"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-               "self_attn.v_proj.bias": (kv,)}
-  shapes = {f"mtp.{i}.{s}": shape for i in range(cfg.num_modules) for s, shape in module.items()}
-  return shapes | {"embed_tokens.weight": (v, d), "lm_head.weight": (v, d)}
+  """Every canonical name -> shape, e.g. mtp.0.eh_proj.weight -> (D, 2D), lm_head -> (V, D).
+
+  Read off the module cfg builds (no arrays allocated), so every attention / FFN option's
+  params are listed as the model holds them.
+  """
+  model = nnx.eval_shape(lambda: mtp.MtpModel(cfg, rngs=nnx.Rngs(0)))
+  return {name: shape for name, (_, shape) in mtp.param_names(model, mtp.canonical_name).items()}
 
 
 def detect_layout(names: Iterable[str]) -> str:

@@ -24,11 +24,11 @@ class MtpModule(nnx.Module):
 
   def __init__(self, cfg: MtpConfig, *, rngs: nnx.Rngs):
     d, dt, eps = cfg.hidden_size, cfg.jnp_dtype, cfg.rms_norm_eps
-    self.enorm = RMSNorm(d, eps=eps, dtype=dt)
-    self.hnorm = RMSNorm(d, eps=eps, dtype=dt)
+    self.enorm = RMSNorm(d, eps=eps, dtype=dt, unit_offset=cfg.norm_unit_offset)
+    self.hnorm = RMSNorm(d, eps=eps, dtype=dt, unit_offset=cfg.norm_unit_offset)
     self.eh_proj = Linear(2 * d, d, dtype=dt, rngs=rngs)
     self.block = Block(cfg.block_config(), rngs=rngs)
-    self.shared_head_norm = RMSNorm(d, eps=eps, dtype=dt)
+    self.shared_head_norm = RMSNorm(d, eps=eps, dtype=dt, unit_offset=cfg.norm_unit_offset)
 
   def __call__(self, emb_BxTxD, h_BxTxD, rows_BxT, valid_BxT, cache: KVCache | None, rope_offset: int):
     """Returns (h^m dtype[B, T, D] before the head norm, new cache)."""
@@ -63,7 +63,7 @@ def init_mtp(cfg: MtpConfig, seed: int = 0) -> MtpModel:
   return MtpModel(cfg, rngs=nnx.Rngs(seed))
 
 
-def _canonical(name: str) -> str:
+def canonical_name(name: str) -> str:
   """NNX path 'layers.0.block.mlp.up_proj.weight' -> canonical 'mtp.0.mlp.up_proj.weight'."""
   if not name.startswith("layers."):
     return name
@@ -76,7 +76,7 @@ def _canonical(name: str) -> str:
 
 def state_dict(model: MtpModel) -> dict[str, jax.Array]:
   """Canonical names -> arrays (torch Linear layout); the inverse of `load_state_dict`."""
-  return {_canonical(k): v for k, v in module_state_dict(model, "").items()}
+  return {canonical_name(k): v for k, v in module_state_dict(model, "").items()}
 
 
 def assign_state_dict(model: nnx.Module, names: dict[str, tuple], tensors: Mapping, dtype, what: str):
@@ -113,7 +113,7 @@ def load_state_dict(cfg: MtpConfig, tensors: Mapping) -> MtpModel:
   mtp.{i}.shared_head.norm.weight, embed_tokens.weight [V, D], lm_head.weight [V, D].
   """
   model = init_mtp(cfg)
-  return assign_state_dict(model, param_names(model, _canonical), tensors, cfg.jnp_dtype, "load_state_dict")
+  return assign_state_dict(model, param_names(model, canonical_name), tensors, cfg.jnp_dtype, "load_state_dict")
 
 
 def forward_chain(model: MtpModel, hiddens_BxTxD: jax.Array, tokens_BxU: jax.Array,

@@ -21,7 +21,8 @@ class TargetModel(nnx.Module):
     self.cfg = cfg
     self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype, rngs=rngs)
     self.layers = nnx.List([Block(cfg.block_config(), rngs=rngs) for _ in range(cfg.num_layers)])
-    self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=cfg.jnp_dtype)
+    self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=cfg.jnp_dtype,
+                        unit_offset=cfg.norm_unit_offset)
     self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.jnp_dtype, rngs=rngs)
 
   def __call__(self, tokens_BxT, rows_BxT, valid_BxT, kv: tuple[KVCache, ...] | None):

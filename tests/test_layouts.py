@@ -195,7 +195,7 @@ def test_deepseek_falls_back_to_main_embedding_and_head():
   raw["lm_head.weight"] = canon["lm_head.weight"]
   assert_same(layouts.to_canonical(raw, "deepseek", cfg), canon)
   # Without first_layer the MTP layers are found from their eh_proj; an explicit one wins.
-  with pytest.raises(ValueError, match=r"'model\.layers\.2\.enorm\.weight'"):
+  with pytest.raises(ValueError, match=r"lacks tensor 'model\.layers\.2\."):
     layouts.to_canonical(raw, "deepseek", cfg, first_layer=2)
 
 

@@ -1,4 +1,8 @@
-"""Causal GQA self-attention with RoPE over a cache (see cache.py) or over its own rows."""
+"""Causal GQA self-attention with RoPE over a cache (see cache.py) or over its own rows.
+
+Options (BlockConfig): q, k, v biases and an o_proj bias; per-head q / k RMSNorm before RoPE;
+Qwen3-Next's output gate; a sliding window; learned attention sinks.
+"""
 
 from __future__ import annotations
 
@@ -8,8 +12,29 @@ from flax import nnx
 
 from mtp_jax.blocks import cache as cache_lib
 from mtp_jax.blocks.linear import Linear
-from mtp_jax.blocks.rope import rope
+from mtp_jax.blocks.norms import RMSNorm
+from mtp_jax.blocks.rope import apply_rope, inv_frequencies
 from mtp_jax.config import BlockConfig
+
+
+def attention_probs(scores_BxKxGxTxS, rows_BxT, key_rows_BxS, *, window: int | None = None,
+                    sinks_KxG: jax.Array | None = None) -> jax.Array:
+  """Causal (optionally windowed) softmax of float32 scores over the S keys.
+
+  A query at row r sees keys at rows r - window < row <= r. sinks_KxG: a learned logit per
+  query head that joins the softmax denominator only, so a head may attend to nothing.
+  """
+  q_rows, k_rows = rows_BxT[:, :, None], key_rows_BxS[:, None, :]
+  mask_BxTxS = k_rows <= q_rows
+  if window is not None:
+    mask_BxTxS &= k_rows > q_rows - window
+  scores = jnp.where(mask_BxTxS[:, None, None], scores_BxKxGxTxS, jnp.finfo(jnp.float32).min)
+  if sinks_KxG is None:
+    return jax.nn.softmax(scores, axis=-1)
+  sink = sinks_KxG.astype(jnp.float32)[None, :, :, None, None]
+  top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
+  e = jnp.exp(scores - top)
+  return e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))
 
 
 class Attention(nnx.Module):
@@ -17,15 +42,22 @@ class Attention(nnx.Module):
 
   def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs):
     d, h, hkv, dh, dt = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype
-    self.q_proj = Linear(d, h * dh, bias=cfg.attention_bias, dtype=dt, rngs=rngs)
+    q_width = 2 * h * dh if cfg.attention_gate else h * dh
+    self.q_proj = Linear(d, q_width, bias=cfg.attention_bias, dtype=dt, rngs=rngs)
     self.k_proj = Linear(d, hkv * dh, bias=cfg.attention_bias, dtype=dt, rngs=rngs)
     self.v_proj = Linear(d, hkv * dh, bias=cfg.attention_bias, dtype=dt, rngs=rngs)
-    self.o_proj = Linear(h * dh, d, dtype=dt, rngs=rngs)
+    self.o_proj = Linear(h * dh, d, bias=cfg.attention_out_bias, dtype=dt, rngs=rngs)
+    norm = lambda: RMSNorm(dh, eps=cfg.rms_norm_eps, dtype=dt, unit_offset=cfg.norm_unit_offset)
+    self.q_norm = norm() if cfg.qk_norm else None
+    self.k_norm = norm() if cfg.qk_norm else None
+    self.sinks = nnx.Param(jnp.zeros((h,), dt)) if cfg.attention_sinks else None
     self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, dh
-    self.rope_theta = cfg.rope_theta
+    self.gated, self.window, self.interleave = cfg.attention_gate, cfg.sliding_window, cfg.rope_interleave
+    inv_freq, self.rope_factor = inv_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+    self.inv_freq = tuple(inv_freq.tolist())  # static module data, not a param
 
   def __call__(self, x_BxTxD, rows_BxT, valid_BxT, cache: cache_lib.KVCache | None, rope_offset: int = 0):
-    """Attends row j to rows 0..j of the same sequence.
+    """Attends row j to rows 0..j of the same sequence (the last `sliding_window` of them).
 
     Args:
       x_BxTxD: dtype[B, T, D] normed inputs.
@@ -39,15 +71,23 @@ class Attention(nnx.Module):
     hkv, dh = self.num_kv_heads, self.head_dim
     g = self.num_heads // hkv
     pos_BxT = rows_BxT + rope_offset
-    q = rope(self.q_proj(x_BxTxD).reshape(b, t, hkv * g, dh), pos_BxT, self.rope_theta)
-    k = rope(self.k_proj(x_BxTxD).reshape(b, t, hkv, dh), pos_BxT, self.rope_theta)
+    q = self.q_proj(x_BxTxD).reshape(b, t, hkv * g, -1)
+    if self.gated:  # per head [q | gate] (Qwen3-Next's q_proj layout)
+      q, gate_BxTxHxDh = q[..., :dh], q[..., dh:]
+    k = self.k_proj(x_BxTxD).reshape(b, t, hkv, dh)
+    if self.q_norm is not None:
+      q, k = self.q_norm(q), self.k_norm(k)
+    q, k = (apply_rope(a, pos_BxT, self.inv_freq, interleave=self.interleave,
+                       attention_factor=self.rope_factor) for a in (q, k))
     v = self.v_proj(x_BxTxD).reshape(b, t, hkv, dh)
     new_cache, (k_BxSxKxDh, v_BxSxKxDh), key_rows_BxS = cache_lib.update(cache, rows_BxT, valid_BxT, k, v)
     q = q.reshape(b, t, hkv, g, dh)
     scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BxSxKxDh.astype(q.dtype),
                         preferred_element_type=jnp.float32) * dh**-0.5
-    mask_BxTxS = key_rows_BxS[:, None, :] <= rows_BxT[:, :, None]
-    scores = jnp.where(mask_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxDh.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxDh).reshape(b, t, hkv * g * dh)
-    return self.o_proj(out.astype(x_BxTxD.dtype)), new_cache
+    sinks = None if self.sinks is None else self.sinks[...].reshape(hkv, g)
+    probs = attention_probs(scores, rows_BxT, key_rows_BxS, window=self.window, sinks_KxG=sinks)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_BxSxKxDh.dtype), v_BxSxKxDh)
+    out = out.reshape(b, t, hkv * g, dh).astype(x_BxTxD.dtype)
+    if self.gated:
+      out = out * jax.nn.sigmoid(gate_BxTxHxDh)
+    return self.o_proj(out.reshape(b, t, hkv * g * dh)), new_cache

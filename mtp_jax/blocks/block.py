@@ -24,9 +24,10 @@ class Block(nnx.Module):
 
   def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs):
     dt = cfg.jnp_dtype
-    self.input_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dt)
+    norm = lambda: RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dt, unit_offset=cfg.norm_unit_offset)
+    self.input_layernorm = norm()
     self.self_attn = Attention(cfg, rngs=rngs)
-    self.post_attention_layernorm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dt)
+    self.post_attention_layernorm = norm()
     self.mlp = Mlp(cfg, rngs=rngs)
 
   def __call__(self, x_BxTxD, rows_BxT, valid_BxT, cache: KVCache | None, rope_offset: int = 0):

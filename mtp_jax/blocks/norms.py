@@ -1,4 +1,4 @@
-"""RMSNorm."""
+"""RMSNorm, scaling by weight or by (1 + weight)."""
 
 from __future__ import annotations
 
@@ -8,13 +8,19 @@ from flax import nnx
 
 
 class RMSNorm(nnx.Module):
-  """x * rsqrt(mean(x^2) + eps) * weight, computed in float32."""
+  """x * rsqrt(mean(x^2) + eps) * scale over the last axis, computed in float32.
 
-  def __init__(self, dim: int, *, eps: float, dtype=jnp.float32):
-    self.weight = nnx.Param(jnp.ones((dim,), dtype))
+  scale is weight, or with unit_offset (Qwen3-Next's zero-centred norms) 1 + weight, weight
+  starting at 0. Either way a fresh norm is the identity scale.
+  """
+
+  def __init__(self, dim: int, *, eps: float, dtype=jnp.float32, unit_offset: bool = False):
+    self.weight = nnx.Param((jnp.zeros if unit_offset else jnp.ones)((dim,), dtype))
     self.eps = eps
+    self.unit_offset = unit_offset
 
   def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
     x = x_BxTxD.astype(jnp.float32)
     x = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + self.eps)
-    return (x * self.weight[...].astype(jnp.float32)).astype(x_BxTxD.dtype)
+    scale = self.weight[...].astype(jnp.float32) + (1.0 if self.unit_offset else 0.0)
+    return (x * scale).astype(x_BxTxD.dtype)

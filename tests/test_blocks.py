@@ -1,0 +1,122 @@
+"""Attention variants against transformers' modules on tiny random configs (float32).
+
+Each case copies a random torch module's weights into the NNX module by name, then checks the
+cache-free prefill and a ragged cached run (chunks of T > 1 and single-row decode) row by row
+against the torch full-sequence forward.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from flax import nnx
+
+from block_refs import B, T, copy_into, full_rows, randomize, run_cached, torch_mask
+from mtp_jax.blocks import Attention, RMSNorm, init_cache
+from mtp_jax.blocks.rope import inv_frequencies
+from mtp_jax.config import BlockConfig, RopeScaling
+
+D, H, DH = 32, 4, 8
+ATOL = 2e-5
+
+
+def _check(ours_cfg, attn_torch, rotary, window=None):
+  """Compares Attention(ours_cfg) with attn_torch (weights copied) on prefill and cached runs."""
+  randomize(attn_torch)
+  attn = Attention(ours_cfg, rngs=nnx.Rngs(0))
+  copy_into(attn, attn_torch)
+  x = np.random.default_rng(1).standard_normal((B, T, D)).astype(np.float32)
+  with torch.no_grad():
+    xt = torch.from_numpy(x)
+    pos = torch.arange(T)[None].expand(B, T)
+    want = attn_torch(xt, position_embeddings=rotary(xt, pos),
+                      attention_mask=torch_mask(T, window))[0].numpy()
+  rows, valid = full_rows(B, T)
+  got, _ = attn(jnp.asarray(x), rows, valid, None)
+  np.testing.assert_allclose(np.asarray(got), want, atol=ATOL, rtol=1e-4)
+  cached = run_cached(lambda x, r, v, c: attn(x, r, v, c), init_cache(ours_cfg, B, T + 2), x)
+  np.testing.assert_allclose(cached, want, atol=ATOL, rtol=1e-4)
+
+
+def test_glm4_moe_attention_bias_qk_norm_partial_rotary():
+  from transformers.models.glm4_moe import modeling_glm4_moe as m
+  cfg = m.Glm4MoeConfig(hidden_size=D, num_attention_heads=H, num_key_value_heads=2, head_dim=DH,
+                        attention_bias=True, use_qk_norm=True, partial_rotary_factor=0.5)
+  cfg._attn_implementation = "eager"
+  ours = BlockConfig(hidden_size=D, num_heads=H, num_kv_heads=2, head_dim=DH, intermediate_size=8,
+                     rms_norm_eps=cfg.rms_norm_eps, attention_bias=True, qk_norm=True,
+                     partial_rotary_factor=0.5)
+  _check(ours, m.Glm4MoeAttention(cfg, 0), m.Glm4MoeRotaryEmbedding(cfg))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_qwen3_next_gated_attention(bias):
+  from transformers.models.qwen3_next import modeling_qwen3_next as m
+  cfg = m.Qwen3NextConfig(hidden_size=D, num_attention_heads=H, num_key_value_heads=1, head_dim=DH,
+                          attention_bias=bias)
+  cfg._attn_implementation = "eager"
+  ours = BlockConfig(hidden_size=D, num_heads=H, num_kv_heads=1, head_dim=DH, intermediate_size=8,
+                     rms_norm_eps=cfg.rms_norm_eps, attention_bias=bias, attention_out_bias=bias,
+                     qk_norm=True, norm_unit_offset=True, attention_gate=True,
+                     partial_rotary_factor=cfg.rope_parameters["partial_rotary_factor"])
+  _check(ours, m.Qwen3NextAttention(cfg, 3), m.Qwen3NextRotaryEmbedding(cfg))
+
+
+def test_mimo_v2_flash_sliding_window_sinks():
+  from transformers.models.mimo_v2_flash import modeling_mimo_v2_flash as m
+  dh, window = 12, 3
+  cfg = m.MiMoV2FlashConfig(hidden_size=D, num_attention_heads=H, num_key_value_heads=1, head_dim=dh,
+                            v_head_dim=dh, num_hidden_layers=2, sliding_window=window,
+                            layer_types=["full_attention", "sliding_attention"],
+                            attention_value_scale=None)
+  cfg._attn_implementation = "eager"
+  rope = cfg.rope_parameters["sliding_attention"]
+  ours = BlockConfig(hidden_size=D, num_heads=H, num_kv_heads=2, head_dim=dh, intermediate_size=8,
+                     rope_theta=rope["rope_theta"], partial_rotary_factor=rope["partial_rotary_factor"],
+                     sliding_window=window, attention_sinks=True)
+  rotary = m.MiMoV2FlashRotaryEmbedding(cfg)
+  _check(ours, m.MiMoV2FlashAttention(cfg, 1), lambda x, p: rotary(x, p, "sliding_attention"),
+         window=window)
+
+
+def test_zero_centred_rmsnorm_matches_qwen3_next():
+  from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
+  ref = Qwen3NextRMSNorm(DH, eps=1e-6)
+  randomize(ref)
+  ours = RMSNorm(DH, eps=1e-6, unit_offset=True)
+  np.testing.assert_array_equal(np.asarray(ours.weight[...]), 0.0)  # fresh: identity scale
+  copy_into(ours, ref)
+  x = np.random.default_rng(0).standard_normal((2, 3, DH)).astype(np.float32)
+  with torch.no_grad():
+    want = ref(torch.from_numpy(x)).numpy()
+  np.testing.assert_allclose(np.asarray(ours(jnp.asarray(x))), want, atol=1e-6)
+
+
+@pytest.mark.parametrize("fields", [
+    dict(factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=0.707),
+    dict(original_max_position_embeddings=16, max_position_embeddings=64, beta_fast=16.0),
+    dict(factor=8.0, original_max_position_embeddings=32, truncate=False, attention_factor=1.3),
+])
+def test_yarn_frequencies_match_transformers(fields):
+  from transformers import DeepseekV3Config
+  from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+  hf = {k: v for k, v in fields.items() if k != "max_position_embeddings"}
+  cfg = DeepseekV3Config(qk_rope_head_dim=16, max_position_embeddings=fields.get("max_position_embeddings", 64),
+                         rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, **hf)
+                         | ({"factor": None} if "factor" not in fields else {}))
+  want_freq, want_factor = ROPE_INIT_FUNCTIONS["yarn"](cfg, "cpu")
+  got_freq, got_factor = inv_frequencies(16, 10000.0, RopeScaling(**fields))
+  np.testing.assert_allclose(got_freq, want_freq.numpy(), rtol=1e-6)
+  assert got_factor == pytest.approx(want_factor)
+
+
+def test_unsupported_settings_fail_at_config_time():
+  base = dict(hidden_size=D, num_heads=H, num_kv_heads=2, head_dim=DH, intermediate_size=8)
+  with pytest.raises(ValueError, match="rope_scaling.rope_type 'longrope'"):
+    BlockConfig(**base, rope_scaling=dict(rope_type="longrope", original_max_position_embeddings=8))
+  with pytest.raises(ValueError, match="partial_rotary_factor"):
+    BlockConfig(**base, partial_rotary_factor=1.5)
+  with pytest.raises(ValueError, match="rotary dims"):
+    BlockConfig(**base, partial_rotary_factor=0.2)
+  with pytest.raises(ValueError, match="sliding_window"):
+    BlockConfig(**base, sliding_window=0)
