@@ -184,3 +184,55 @@ def test_first_k_dense_replace_in_targets_mtp_always_moe():
   mtp = MtpModel(MtpConfig(num_modules=2, **common), rngs=nnx.Rngs(0))
   assert [type(m.block.mlp) for m in mtp.layers] == [Moe, Moe]
   assert type(Block(dataclasses.replace(block_cfg(), moe=None), rngs=nnx.Rngs(0)).mlp) is Mlp
+
+
+def _mtp_cfg(**moe):
+  moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 6} | moe
+  return MtpConfig(hidden_size=D, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=24, vocab_size=32,
+                   num_modules=2, moe=MoeConfig(**moe))
+
+
+@pytest.mark.parametrize("moe", [
+    dict(scoring="sigmoid", e_score_correction_bias=True, n_shared_experts=1),  # DeepSeek-V3 / GLM-4.5
+    dict(n_shared_experts=1, shared_expert_intermediate_size=10, shared_expert_gate=True)],  # Qwen
+    ids=["deepseek", "qwen"])
+def test_released_per_expert_tensors_stack_on_load_and_unstack_on_save(tmp_path, moe):
+  from mtp_jax import layouts, mtp
+  from mtp_jax.checkpoint import CheckpointReader
+  cfg = _mtp_cfg(**moe)
+  canon = {n: np.asarray(v) for n, v in mtp.state_dict(mtp.init_mtp(cfg, seed=3)).items()}
+  assert set(canon) == set(layouts.canonical_shapes(cfg))
+  raw = {"model.embed_tokens.weight": canon["embed_tokens.weight"], "lm_head.weight": canon["lm_head.weight"]}
+  for name, value in canon.items():
+    if name.startswith("mtp."):
+      _, i, rest = name.split(".", 2)
+      if rest.startswith("mlp.experts."):  # released: one torch [out, in] tensor per expert
+        proj = rest.rsplit(".", 1)[1]
+        raw |= {f"model.layers.{i}.mlp.experts.{e}.{proj}.weight": value[e].T for e in range(value.shape[0])}
+      else:
+        raw[f"model.layers.{i}.{rest}"] = value
+  got = layouts.to_canonical(raw, "deepseek", cfg)
+  assert got.keys() == canon.keys() and all(np.array_equal(got[n], canon[n]) for n in canon)
+  layouts.save_canonical(tmp_path, cfg, canon)
+  with CheckpointReader(tmp_path / "model.safetensors") as reader:
+    assert reader.shape("mtp.1.mlp.experts.3.down_proj.weight") == (D, 6)
+    assert "mtp.1.mlp.experts.down_proj" not in set(reader.keys())
+  read_cfg, read = layouts.read_mtp_checkpoint(tmp_path)
+  assert read_cfg == cfg and all(np.array_equal(read[n], canon[n]) for n in canon)
+  del raw["model.layers.1.mlp.experts.2.up_proj.weight"]
+  with pytest.raises(ValueError, match=r"'model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight'.*\(6, 16\)"):
+    layouts.to_canonical(raw, "deepseek", cfg)
+
+
+def test_moe_tensors_without_moe_config_are_named():
+  from mtp_jax import layouts, mtp
+  cfg = dataclasses.replace(_mtp_cfg(), moe=None)
+  raw = {}
+  for name, value in mtp.state_dict(mtp.init_mtp(cfg)).items():
+    if name.startswith("mtp."):
+      _, i, rest = name.split(".", 2)
+      name = f"model.layers.{i}.{rest}"
+    raw[name.replace("embed_tokens", "model.embed_tokens")] = np.asarray(value)
+  raw["model.layers.1.mlp.gate.weight"] = np.zeros((4, D), np.float32)
+  with pytest.raises(NotImplementedError, match=r"mlp\.gate\.weight.*no moe"):
+    layouts.to_canonical(raw, "deepseek", cfg)
