@@ -1,6 +1,9 @@
 """Real MTP checkpoint layouts (DeepSeek-V3 / GLM-4.5, MiMo, Qwen3-Next) onto mtp_jax's names.
 
-Only dense blocks are supported; docs/checkpoints.md lists the names and every layout's mapping.
+Dense and MoE FFNs are supported; docs/checkpoints.md lists the names and every layout's mapping.
+Routed experts are stored one tensor per expert (mlp.experts.{e}.{gate,up,down}_proj.weight,
+torch [out, in]) in every layout, canonical files included, and stacked into mtp_jax's
+mlp.experts.{gate,up,down}_proj ([E, in, out], see blocks/moe.py) on load.
 """
 
 from __future__ import annotations
@@ -46,9 +49,16 @@ _QWEN3_NEXT_SHARED = {"enorm.weight": "mtp.pre_fc_norm_embedding.weight",
                       "shared_head.norm.weight": "mtp.norm.weight"}
 
 
+# The stacked expert weights; each is read from and written as one tensor per expert.
+_STACKED = ("mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj")
+
+
 def canonical_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
   """Every canonical name -> shape, e.g. mtp.0.eh_proj.weight -> (D, 2D), lm_head -> (V, D).
 
+  With cfg.moe: mtp.{i}.mlp.gate.weight (E, D), .gate.e_score_correction_bias (E,), stacked
+  mtp.{i}.mlp.experts.{gate,up}_proj (E, D, Fe) and .down_proj (E, Fe, D), and the shared
+  expert(s) mlp.shared_experts.* or (Qwen) mlp.shared_expert.* + mlp.shared_expert_gate.weight.
   Read off the module cfg builds (no arrays allocated), so every attention / FFN option's
   params are listed as the model holds them.
   """
@@ -130,7 +140,9 @@ def _first_deepseek_layer(names: Iterable[str]) -> int:
 
 
 def _plan(layout, cfg, names, first_layer):
-  """(canonical name -> (source names that must hold one equal tensor, transform), scope prefixes).
+  """(canonical name -> (source names, transform, stacked), scope prefixes).
+
+  The source names hold one equal tensor, or with stacked one expert each, in order.
 
   Every tensor under a scope prefix must be used, so unsupported parts cannot slip by unread.
   """
@@ -164,10 +176,15 @@ def _plan(layout, cfg, names, first_layer):
   plan = {}
   for i in ks:
     for s in suffixes:
-      name, transform = source(i, s)
-      plan[f"mtp.{i}.{s}"] = ([name], transform)
-  plan["embed_tokens.weight"] = (embed, None)
-  plan["lm_head.weight"] = (head, None)
+      if s in _STACKED:
+        proj = s.rsplit(".", 1)[1]
+        experts = [source(i, f"mlp.experts.{e}.{proj}.weight")[0] for e in range(cfg.moe.num_experts)]
+        plan[f"mtp.{i}.{s}"] = (experts, None, True)
+      else:
+        name, transform = source(i, s)
+        plan[f"mtp.{i}.{s}"] = ([name], transform, False)
+  plan["embed_tokens.weight"] = (embed, None, False)
+  plan["lm_head.weight"] = (head, None, False)
   return plan, tuple(prefixes)
 
 
@@ -188,20 +205,23 @@ def to_canonical(source: Mapping | CheckpointReader, layout: str, cfg: MtpConfig
   """
   names = set(source.keys())
   plan, prefixes = _plan(layout, cfg, names, first_layer)
-  used = {n for sources, _ in plan.values() for n in sources}
+  used = {n for sources, _, _ in plan.values() for n in sources}
   unused = sorted(n for n in names if n.startswith(prefixes) and n not in used)
   if unused:
     off = unused[0].endswith("_proj.bias") and not cfg.attention_bias
-    hint = " (the config has attention_bias off)" if off else ""
+    no_moe = ".mlp.experts." in unused[0] or ".mlp.gate." in unused[0]
+    hint = (" (the config has attention_bias off)" if off
+            else " (the config has no moe)" if no_moe and cfg.moe is None else "")
     raise NotImplementedError(
-        f"{layout} checkpoint tensor {unused[0]!r}{hint} has no place in a dense MTP module"
+        f"{layout} checkpoint tensor {unused[0]!r}{hint} has no place in this config's MTP module"
         f"{f' ({len(unused) - 1} more like it)' if len(unused) > 1 else ''}: only dense blocks "
-        "are supported (no MoE experts or router, MLA, q/k norms, gated attention or "
+        "are supported, or MoE FFNs with a moe config (no MLA, q/k norms, gated attention or "
         "quantization scales)")
   shapes = canonical_shapes(cfg)
   out, loaded = {}, {}
-  for canonical, (sources, transform) in plan.items():
-    want = shapes[canonical]
+  for canonical, (sources, transform, stacked) in plan.items():
+    # A stacked [E, in, out] tensor is read as E torch [out, in] tensors.
+    want = shapes[canonical][:0:-1] if stacked else shapes[canonical]
     for name in sources:
       if name not in names:
         raise ValueError(f"{layout} checkpoint lacks tensor {name!r} "
@@ -211,6 +231,9 @@ def to_canonical(source: Mapping | CheckpointReader, layout: str, cfg: MtpConfig
                          f"expected {want} (mtp_jax {canonical})")
       if name not in loaded:
         loaded[name] = np.asarray(source[name])
+    if stacked:
+      out[canonical] = np.stack([loaded.pop(name).T for name in sources])
+      continue
     for name in sources[1:]:
       if not np.array_equal(loaded[name], loaded[sources[0]]):
         raise ValueError(f"{layout} checkpoint tensors {sources[0]!r} and {name!r} differ, but "
@@ -239,10 +262,24 @@ def read_mtp_checkpoint(path, *,
     return cfg, to_canonical(reader, layout, cfg, first_layer=first_layer)
 
 
+def _unstack_experts(tensors: Mapping) -> dict:
+  """Stacked mtp.{i}.mlp.experts.{proj} [E, in, out] -> mtp.{i}.mlp.experts.{e}.{proj}.weight [out, in]."""
+  out = {}
+  for name, value in tensors.items():
+    if name.startswith("mtp.") and name.split(".", 2)[-1] in _STACKED and np.ndim(value) == 3:
+      prefix, proj = name.rsplit(".", 1)
+      value = np.asarray(value)
+      out |= {f"{prefix}.{e}.{proj}.weight": np.ascontiguousarray(value[e].T) for e in range(value.shape[0])}
+    else:
+      out[name] = value
+  return out
+
+
 def save_canonical(path, cfg: MtpConfig, tensors: Mapping) -> None:
-  """Writes `path`/model.safetensors (canonical names, checked against `canonical_shapes(cfg)`)
-  and `path`/config.json, which `read_mtp_checkpoint` reads back."""
-  tensors = to_canonical(tensors, "canonical", cfg)
+  """Writes `path`/model.safetensors (canonical names, checked against `canonical_shapes(cfg)`;
+  stacked experts written one tensor per expert, as released checkpoints hold them) and
+  `path`/config.json, which `read_mtp_checkpoint` reads back."""
+  tensors = _unstack_experts(to_canonical(_unstack_experts(tensors), "canonical", cfg))
   os.makedirs(path, exist_ok=True)
   save_tensors(os.path.join(path, "model.safetensors"), tensors, metadata={"format": "mtp_jax"})
   with open(os.path.join(path, "config.json"), "w") as f:

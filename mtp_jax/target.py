@@ -20,7 +20,7 @@ class TargetModel(nnx.Module):
   def __init__(self, cfg: TargetConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype, rngs=rngs)
-    self.layers = nnx.List([Block(cfg.block_config(), rngs=rngs) for _ in range(cfg.num_layers)])
+    self.layers = nnx.List([Block(cfg.block_config(), rngs=rngs, layer_idx=i) for i in range(cfg.num_layers)])
     self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=cfg.jnp_dtype,
                         unit_offset=cfg.norm_unit_offset)
     self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.jnp_dtype, rngs=rngs)

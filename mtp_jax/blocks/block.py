@@ -7,6 +7,7 @@ from flax import nnx
 from mtp_jax.blocks.attention import Attention
 from mtp_jax.blocks.cache import KVCache
 from mtp_jax.blocks.mlp import Mlp
+from mtp_jax.blocks.moe import Moe
 from mtp_jax.blocks.norms import RMSNorm
 from mtp_jax.config import BlockConfig
 
@@ -20,15 +21,20 @@ def init_cache(cfg: BlockConfig, batch_size: int, max_len: int, dtype=None) -> K
 
 
 class Block(nnx.Module):
-  """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
+  """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.)).
 
-  def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs):
+  mlp is the dense `Mlp`, or a `Moe` when cfg.moe is set, except in target layers with
+  layer_idx < cfg.moe.first_k_dense_replace. MTP modules pass no layer_idx: always MoE.
+  """
+
+  def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs, layer_idx: int | None = None):
     dt = cfg.jnp_dtype
     norm = lambda: RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dt, unit_offset=cfg.norm_unit_offset)
     self.input_layernorm = norm()
     self.self_attn = Attention(cfg, rngs=rngs)
     self.post_attention_layernorm = norm()
-    self.mlp = Mlp(cfg, rngs=rngs)
+    dense = cfg.moe is None or (layer_idx is not None and layer_idx < cfg.moe.first_k_dense_replace)
+    self.mlp = Mlp(cfg, rngs=rngs) if dense else Moe(cfg, rngs=rngs)
 
   def __call__(self, x_BxTxD, rows_BxT, valid_BxT, cache: KVCache | None, rope_offset: int = 0):
     """Same arguments as Attention; returns (dtype[B, T, D], new cache or None)."""

@@ -10,10 +10,10 @@ from mtp_jax.config import BlockConfig
 
 
 class Mlp(nnx.Module):
-  """down(silu(gate(x)) * up(x))."""
+  """down(silu(gate(x)) * up(x)); width F = intermediate_size (default cfg.intermediate_size)."""
 
-  def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs):
-    d, f, dt = cfg.hidden_size, cfg.intermediate_size, cfg.jnp_dtype
+  def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs, intermediate_size: int | None = None):
+    d, f, dt = cfg.hidden_size, intermediate_size or cfg.intermediate_size, cfg.jnp_dtype
     self.gate_proj = Linear(d, f, dtype=dt, rngs=rngs)
     self.up_proj = Linear(d, f, dtype=dt, rngs=rngs)
     self.down_proj = Linear(f, d, dtype=dt, rngs=rngs)

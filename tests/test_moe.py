@@ -1,0 +1,238 @@
+"""The MoE FFN against transformers' DeepseekV3MoE, Glm4MoeMoE and Qwen3NextSparseMoeBlock;
+its three expert paths against each other; routing details; config validation; Block's choice."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import transformers
+from flax import nnx
+
+from mtp_jax.blocks import Block, Mlp, Moe
+from mtp_jax.blocks.moe import route
+from mtp_jax.config import BlockConfig, MoeConfig, MtpConfig, TargetConfig
+from mtp_jax.mtp import MtpModel
+
+D, E, K, FE = 16, 8, 2, 12
+B, T = 2, 5  # 10 rows: grouped path (10 * K > E); the gather path is checked separately
+TOL = dict(rtol=2e-5, atol=2e-5)  # float32 on both sides
+
+
+def block_cfg(**moe) -> BlockConfig:
+  moe = {"num_experts": E, "num_experts_per_tok": K, "moe_intermediate_size": FE} | moe
+  return BlockConfig(hidden_size=D, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=24,
+                     moe=MoeConfig(**moe))
+
+
+def _init_torch(module: torch.nn.Module, seed: int):
+  """transformers leaves expert tensors uninitialised: give every tensor a random value."""
+  g = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for _, t in list(module.named_parameters()) + list(module.named_buffers()):
+      t.copy_(0.3 * torch.randn(t.shape, generator=g))
+  for name, t in list(module.named_parameters()) + list(module.named_buffers()):
+    assert torch.isfinite(t).all(), name
+
+
+def _load(moe: Moe, tensors: dict):
+  """Copies name -> array (mtp_jax names under mlp.) into moe; every param must be given."""
+  flat = dict(nnx.to_flat_state(nnx.state(moe, nnx.Param)))
+  names = {".".join(map(str, p)): p for p in flat}
+  assert set(names) == set(tensors), set(names) ^ set(tensors)
+  for name, value in tensors.items():
+    assert flat[names[name]][...].shape == value.shape, name
+    flat[names[name]][...] = jnp.asarray(value)
+
+
+def _from_torch(module: torch.nn.Module) -> dict:
+  """transformers' fused experts (gate_up_proj [E, 2Fe, D], down_proj [E, D, Fe]) -> ours."""
+  sd = {n: v.detach().numpy() for n, v in module.state_dict().items()}
+  gate_up = sd.pop("experts.gate_up_proj")
+  f = gate_up.shape[1] // 2
+  sd["experts.gate_proj"] = gate_up[:, :f].transpose(0, 2, 1)
+  sd["experts.up_proj"] = gate_up[:, f:].transpose(0, 2, 1)
+  sd["experts.down_proj"] = sd["experts.down_proj"].transpose(0, 2, 1)
+  return sd
+
+
+def _compare(torch_module, cfg: BlockConfig, seed: int):
+  _init_torch(torch_module, seed)
+  moe = Moe(cfg, rngs=nnx.Rngs(0))
+  _load(moe, _from_torch(torch_module))
+  x = np.random.default_rng(seed).standard_normal((B, T, D)).astype(np.float32)
+  with torch.no_grad():
+    want = torch_module(torch.from_numpy(x)).numpy()
+  assert np.isfinite(want).all()
+  for path in (None, "gather", "dense"):
+    np.testing.assert_allclose(np.asarray(moe(jnp.asarray(x), path=path)), want, **TOL, err_msg=str(path))
+
+
+def test_equals_deepseek_v3():
+  hf = transformers.DeepseekV3Config(hidden_size=D, n_routed_experts=E, num_experts_per_tok=K,
+                                     moe_intermediate_size=FE, n_shared_experts=2, n_group=4, topk_group=2,
+                                     norm_topk_prob=True, routed_scaling_factor=2.5)
+  from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3MoE
+  _compare(DeepseekV3MoE(hf).eval(), block_cfg(
+      scoring="sigmoid", e_score_correction_bias=True, n_group=4, topk_group=2,
+      routed_scaling_factor=2.5, n_shared_experts=2), seed=1)
+
+
+def test_equals_glm4_moe():
+  hf = transformers.Glm4MoeConfig(hidden_size=D, n_routed_experts=E, num_experts_per_tok=K,
+                                  moe_intermediate_size=FE, n_shared_experts=1, n_group=1, topk_group=1,
+                                  norm_topk_prob=False, routed_scaling_factor=1.5)
+  from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMoE
+  _compare(Glm4MoeMoE(hf).eval(), block_cfg(
+      scoring="sigmoid", e_score_correction_bias=True, norm_topk_prob=False,
+      routed_scaling_factor=1.5, n_shared_experts=1), seed=2)
+
+
+def test_equals_qwen3_next():
+  hf = transformers.Qwen3NextConfig(hidden_size=D, num_experts=E, num_experts_per_tok=K,
+                                    moe_intermediate_size=FE, shared_expert_intermediate_size=20,
+                                    norm_topk_prob=True)
+  from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+  _compare(Qwen3NextSparseMoeBlock(hf).eval(), block_cfg(
+      scoring="softmax", n_shared_experts=1, shared_expert_intermediate_size=20, shared_expert_gate=True),
+      seed=3)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 40])
+def test_paths_agree(rows):
+  cfg = block_cfg(scoring="sigmoid", e_score_correction_bias=True, n_group=2, topk_group=1, n_shared_experts=1)
+  moe = Moe(cfg, rngs=nnx.Rngs(4))
+  x = jax.random.normal(jax.random.key(5), (1, rows, D))
+  want = moe(x, path="dense")
+  for path in ("gather", "grouped"):
+    np.testing.assert_allclose(np.asarray(moe(x, path=path)), np.asarray(want), **TOL, err_msg=path)
+
+
+def test_path_is_chosen_by_row_count(monkeypatch):
+  moe = Moe(block_cfg(), rngs=nnx.Rngs(0))
+  seen = []
+  call = type(moe.experts).__call__
+  monkeypatch.setattr(type(moe.experts), "__call__", lambda self, *a: seen.append(a[-1]) or call(self, *a))
+  moe(jnp.ones((1, 1, D)))  # 1 row * K=2 <= E=8
+  moe(jnp.ones((1, 4, D)))  # 8 <= 8
+  moe(jnp.ones((1, 5, D)))  # 10 > 8
+  assert seen == ["gather", "gather", "grouped"]
+
+
+def _route(logits, bias=None, **moe):
+  cfg = MoeConfig(**({"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 4} | moe))
+  weights, experts = route(cfg, jnp.asarray(logits, jnp.float32), None if bias is None else jnp.asarray(bias))
+  order = np.argsort(np.asarray(experts), axis=-1)
+  return np.take_along_axis(np.asarray(weights), order, -1), np.take_along_axis(np.asarray(experts), order, -1)
+
+
+def test_bias_chooses_but_does_not_weigh():
+  logits = np.array([[3.0, 2.0, 1.0, 0.0, -1.0, -2.0, -3.0, -4.0]])
+  bias = np.array([0, 0, 0, 0, 0, 0, 5.0, 5.0], np.float32)  # pushes experts 6, 7 in
+  weights, experts = _route(logits, bias, scoring="sigmoid", e_score_correction_bias=True,
+                            norm_topk_prob=False, routed_scaling_factor=2.0)
+  np.testing.assert_array_equal(experts, [[6, 7]])
+  np.testing.assert_allclose(weights, 2.0 / (1 + np.exp([[3.0, 4.0]])), rtol=1e-6)  # unbiased sigmoid
+
+
+def test_group_limited_top_k():
+  # Groups of 2: {0,1} {2,3} {4,5} {6,7}. Group score = sum of its two: 1.0+0.9, 0.95+0, 0.8+0.8, 0+0.
+  # With topk_group=2 the groups {0,1} and {4,5} survive, so expert 2 (0.95, the second best overall)
+  # is out and the top 3 are 0, 1 and one of 4 / 5.
+  scores = np.array([[1.0, 0.9, 0.95, 0.0, 0.8, 0.79, 0.0, 0.0]])
+  logits = np.log(scores + 1e-3)  # softmax keeps the order
+  _, experts = _route(logits, scoring="softmax", n_group=4, topk_group=2, num_experts_per_tok=3)
+  np.testing.assert_array_equal(experts, [[0, 1, 4]])
+  _, ungrouped = _route(logits, scoring="softmax", num_experts_per_tok=3)
+  np.testing.assert_array_equal(ungrouped, [[0, 1, 2]])
+
+
+def test_norm_topk_prob_and_scaling():
+  logits = np.random.default_rng(0).standard_normal((4, 8))
+  weights, _ = _route(logits, routed_scaling_factor=3.0)
+  np.testing.assert_allclose(weights.sum(-1), 3.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("num_experts", 0), ("num_experts_per_tok", 9), ("moe_intermediate_size", -1), ("scoring", "relu"),
+    ("n_group", 3), ("n_group", 8), ("topk_group", 5), ("routed_scaling_factor", 0.0),
+    ("n_shared_experts", -1), ("shared_expert_intermediate_size", 0), ("shared_expert_gate", True),
+    ("first_k_dense_replace", -2)])
+def test_bad_config_is_refused_by_name(field, value):
+  kwargs = {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 4, "n_group": 4, "topk_group": 2}
+  if field == "shared_expert_intermediate_size":
+    kwargs["n_shared_experts"] = 1
+  with pytest.raises(ValueError, match=field):
+    MoeConfig(**(kwargs | {field: value}))
+
+
+def test_block_config_moe_round_trips_and_type_checks():
+  cfg = block_cfg(n_shared_experts=1)
+  assert BlockConfig(**dataclasses.asdict(cfg)) == cfg  # how a config.json reads back
+  with pytest.raises(TypeError, match="moe"):
+    dataclasses.replace(cfg, moe=3)
+
+
+def test_first_k_dense_replace_in_targets_mtp_always_moe():
+  moe = MoeConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8, first_k_dense_replace=2)
+  common = dict(hidden_size=D, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=24, vocab_size=32, moe=moe)
+  from mtp_jax.target import TargetModel
+  target = TargetModel(TargetConfig(num_layers=3, **common), rngs=nnx.Rngs(0))
+  assert [type(layer.mlp) for layer in target.layers] == [Mlp, Mlp, Moe]
+  mtp = MtpModel(MtpConfig(num_modules=2, **common), rngs=nnx.Rngs(0))
+  assert [type(m.block.mlp) for m in mtp.layers] == [Moe, Moe]
+  assert type(Block(dataclasses.replace(block_cfg(), moe=None), rngs=nnx.Rngs(0)).mlp) is Mlp
+
+
+def _mtp_cfg(**moe):
+  moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 6} | moe
+  return MtpConfig(hidden_size=D, num_heads=2, num_kv_heads=1, head_dim=8, intermediate_size=24, vocab_size=32,
+                   num_modules=2, moe=MoeConfig(**moe))
+
+
+@pytest.mark.parametrize("moe", [
+    dict(scoring="sigmoid", e_score_correction_bias=True, n_shared_experts=1),  # DeepSeek-V3 / GLM-4.5
+    dict(n_shared_experts=1, shared_expert_intermediate_size=10, shared_expert_gate=True)],  # Qwen
+    ids=["deepseek", "qwen"])
+def test_released_per_expert_tensors_stack_on_load_and_unstack_on_save(tmp_path, moe):
+  from mtp_jax import layouts, mtp
+  from mtp_jax.checkpoint import CheckpointReader
+  cfg = _mtp_cfg(**moe)
+  canon = {n: np.asarray(v) for n, v in mtp.state_dict(mtp.init_mtp(cfg, seed=3)).items()}
+  assert set(canon) == set(layouts.canonical_shapes(cfg))
+  raw = {"model.embed_tokens.weight": canon["embed_tokens.weight"], "lm_head.weight": canon["lm_head.weight"]}
+  for name, value in canon.items():
+    if name.startswith("mtp."):
+      _, i, rest = name.split(".", 2)
+      if rest.startswith("mlp.experts."):  # released: one torch [out, in] tensor per expert
+        proj = rest.rsplit(".", 1)[1]
+        raw |= {f"model.layers.{i}.mlp.experts.{e}.{proj}.weight": value[e].T for e in range(value.shape[0])}
+      else:
+        raw[f"model.layers.{i}.{rest}"] = value
+  got = layouts.to_canonical(raw, "deepseek", cfg)
+  assert got.keys() == canon.keys() and all(np.array_equal(got[n], canon[n]) for n in canon)
+  layouts.save_canonical(tmp_path, cfg, canon)
+  with CheckpointReader(tmp_path / "model.safetensors") as reader:
+    assert reader.shape("mtp.1.mlp.experts.3.down_proj.weight") == (D, 6)
+    assert "mtp.1.mlp.experts.down_proj" not in set(reader.keys())
+  read_cfg, read = layouts.read_mtp_checkpoint(tmp_path)
+  assert read_cfg == cfg and all(np.array_equal(read[n], canon[n]) for n in canon)
+  del raw["model.layers.1.mlp.experts.2.up_proj.weight"]
+  with pytest.raises(ValueError, match=r"'model\.layers\.1\.mlp\.experts\.2\.up_proj\.weight'.*\(6, 16\)"):
+    layouts.to_canonical(raw, "deepseek", cfg)
+
+
+def test_moe_tensors_without_moe_config_are_named():
+  from mtp_jax import layouts, mtp
+  cfg = dataclasses.replace(_mtp_cfg(), moe=None)
+  raw = {}
+  for name, value in mtp.state_dict(mtp.init_mtp(cfg)).items():
+    if name.startswith("mtp."):
+      _, i, rest = name.split(".", 2)
+      name = f"model.layers.{i}.{rest}"
+    raw[name.replace("embed_tokens", "model.embed_tokens")] = np.asarray(value)
+  raw["model.layers.1.mlp.gate.weight"] = np.zeros((4, D), np.float32)
+  with pytest.raises(NotImplementedError, match=r"mlp\.gate\.weight.*no moe"):
+    layouts.to_canonical(raw, "deepseek", cfg)
