@@ -6,11 +6,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-
-def _check_positive(cls_name: str, **fields: int) -> None:
-  for name, value in fields.items():
-    if not isinstance(value, int) or value < 1:
-      raise ValueError(f"{cls_name}.{name} must be a positive int, got {value!r}")
+from mtp_jax import validate
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -28,15 +24,19 @@ class BlockConfig:
   dtype: str = "float32"  # weights, activations and KV caches
 
   def __post_init__(self):
-    _check_positive(type(self).__name__, hidden_size=self.hidden_size,
-                    num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                    head_dim=self.head_dim, intermediate_size=self.intermediate_size)
+    cls = type(self).__name__
+    validate.dataclass_fields(
+        self, positive=("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"),
+        reals=dict(rms_norm_eps=(0.0, None, True), rope_theta=(0.0, None, True)),
+        flags=("attention_bias",), strings=("dtype",))
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(
+      raise validate.InvalidValue(
+          f"{cls}.num_heads",
           f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
     if self.head_dim % 2:
-      raise ValueError(f"head_dim must be even for rotate-half RoPE, got {self.head_dim}")
-    jnp.dtype(self.dtype)  # fails early on an unknown dtype name
+      raise validate.InvalidValue(f"{cls}.head_dim",
+                                  f"{cls}.head_dim must be even for rotate-half RoPE, got {self.head_dim}")
+    validate.float_dtype(f"{cls}.dtype", self.dtype)
 
   @property
   def jnp_dtype(self):
@@ -60,7 +60,7 @@ class MtpConfig(BlockConfig):
 
   def __post_init__(self):
     super().__post_init__()
-    _check_positive("MtpConfig", vocab_size=self.vocab_size, num_modules=self.num_modules)
+    validate.dataclass_fields(self, positive=("vocab_size", "num_modules"), flags=("pass_normed_hidden",))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -76,4 +76,4 @@ class TargetConfig(BlockConfig):
 
   def __post_init__(self):
     super().__post_init__()
-    _check_positive("TargetConfig", vocab_size=self.vocab_size, num_layers=self.num_layers)
+    validate.dataclass_fields(self, positive=("vocab_size", "num_layers"), flags=("output_normed_hidden",))
