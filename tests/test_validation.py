@@ -4,6 +4,8 @@ import dataclasses
 import json
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -118,3 +120,99 @@ def test_truncated_config_json(tmp_path):
 def test_helpers(call, error, argument, fragment):
   with _raises(error, argument, fragment):
     call()
+
+
+# --- proposer ---------------------------------------------------------------------------------
+
+MTP = mtp_jax.init_mtp(MTP_CFG, 0)
+B, T, D, V = 2, 4, BLOCK["hidden_size"], MTP_CFG.vocab_size
+
+
+def _propose_args(**changes):
+  args = dict(params=MTP, state=mtp_jax.init_state(MTP_CFG, B, 16), hiddens=np.zeros((B, T, D), np.float32),
+              tokens=np.zeros((B, T), np.int32), num_new=np.array([1, 1], np.int32), num_drafts=2)
+  args.update(changes)
+  return args
+
+
+@pytest.mark.parametrize("changes, error, argument, fragment", [
+    (dict(params="mtp"), TypeError, "params", "MtpModel"),
+    (dict(state=None), TypeError, "state", "ProposerState"),
+    (dict(num_drafts=0), ValueError, "num_drafts", "1..3"),
+    (dict(num_drafts=4), ValueError, "num_drafts", "1..3"),
+    (dict(num_drafts=2.0), TypeError, "num_drafts", "2.0"),
+    (dict(hiddens=np.zeros((B, T, D), np.int32)), TypeError, "hiddens", "float[B=2, T, D=32]"),
+    (dict(hiddens=np.zeros((B, 0, D), np.float32)), ValueError, "hiddens", "[B=2, T, D=32]"),
+    (dict(tokens=np.zeros((B, T), np.float32)), TypeError, "tokens", "int32[B=2, T=4]"),
+    (dict(tokens=np.full((B, T), 2**32 + 5)), ValueError, "tokens", "outside int32"),
+    (dict(tokens=np.full((B, T), V)), ValueError, "tokens", f"0..vocab_size-1={V - 1}"),
+    (dict(num_new=np.array([2**32 + 1, 1])), ValueError, "num_new", "outside int32"),
+    (dict(num_new=np.array([1.0, 1.0])), TypeError, "num_new", "int32[B=2]"),
+    (dict(num_new=np.array([5, 1])), ValueError, "num_new", "0..T=4"),
+    (dict(num_new=np.array([-1, 1])), ValueError, "num_new", "0..T=4"),
+    (dict(hiddens=np.full((B, T, D), np.nan, np.float32)), ValueError, "hiddens", "finite"),
+    (dict(temperature=-1.0, key=jax.random.key(0)), ValueError, "temperature", "[0.0, inf)"),
+    (dict(temperature=float("nan"), key=jax.random.key(0)), ValueError, "temperature", "nan"),
+    (dict(temperature=1.0), ValueError, "key", "temperature > 0"),
+    (dict(temperature=1.0, top_k=2.5, key=jax.random.key(0)), TypeError, "top_k", f"1..{V}"),
+    (dict(temperature=1.0, top_k=V + 1, key=jax.random.key(0)), ValueError, "top_k", f"1..{V}"),
+    (dict(temperature=1.0, top_p=0.0, key=jax.random.key(0)), ValueError, "top_p", "(0.0, 1.0]"),
+    (dict(grammar_state=np.zeros(B, np.int32)), ValueError, "grammar_state", "together"),
+    (dict(checked=1), TypeError, "checked", "bool"),
+])
+def test_propose_arguments(changes, error, argument, fragment):
+  with _raises(error, argument, fragment):
+    mtp_jax.propose(**_propose_args(**changes))
+
+
+def test_propose_grammar_state_range():
+  from mtp_jax import grammar
+  g = grammar.from_regex("ab", [bytes([97 + i]) for i in range(26)] + [None] * (V - 26), eos_token_id=V - 1)
+  with _raises(ValueError, "grammar_state", f"num_states={g.num_states}"):
+    mtp_jax.propose(**_propose_args(grammar=g, grammar_state=np.array([1, g.num_states])))
+  with _raises(TypeError, "grammar_state", "int32[B=2]"):
+    mtp_jax.propose(**_propose_args(grammar=g, grammar_state=np.array([1.0, 1.0])))
+
+
+@pytest.mark.parametrize("call, error, argument, fragment", [
+    (lambda: mtp_jax.init_state(MTP_CFG, 0, 16), ValueError, "batch_size", "1..2147483647"),
+    (lambda: mtp_jax.init_state(MTP_CFG, 2, 2**31), ValueError, "max_len", "1..2147483647"),
+    (lambda: mtp_jax.init_state(MTP_CFG, 2, 16.0), TypeError, "max_len", "16.0"),
+    (lambda: mtp_jax.init_state(MTP_CFG, 2, 16, dtype=np.int32), ValueError, "dtype", "floating"),
+    (lambda: mtp_jax.init_state(TARGET_CFG, 2, 16), TypeError, "cfg", "MtpConfig"),
+    (lambda: mtp_jax.after_verify(None, np.zeros(B, np.int32)), TypeError, "state", "ProposerState"),
+    (lambda: mtp_jax.after_verify(mtp_jax.init_state(MTP_CFG, B, 16), np.zeros(B, np.float32)),
+     TypeError, "num_accepted", "int32[B=2]"),
+    (lambda: mtp_jax.after_verify(mtp_jax.init_state(MTP_CFG, B, 16), np.ones(B, np.int32)),
+     ValueError, "num_accepted", "0..k"),
+    (lambda: mtp_jax.reset_slots(mtp_jax.init_state(MTP_CFG, B, 16), np.array([1, 0])),
+     TypeError, "mask", "bool[B=2]"),
+    (lambda: mtp_jax.reset_slots(mtp_jax.init_state(MTP_CFG, B, 16), np.array([True])),
+     ValueError, "mask", "bool[B=2]"),
+])
+def test_state_functions(call, error, argument, fragment):
+  with _raises(error, argument, fragment):
+    call()
+
+
+def test_reset_slots_clears_nan_poisoned_slots():
+  """A slot whose caches, tails and draft_probs hold NaN / inf behaves exactly as a fresh one after
+  reset_slots (masked rows are selected away, not multiplied by 0)."""
+  rng = np.random.default_rng(0)
+  hiddens = rng.normal(size=(B, T, D)).astype(np.float32)
+  tokens = rng.integers(0, V, size=(B, T)).astype(np.int32)
+  num_new = np.array([3, 4], np.int32)
+  fresh = mtp_jax.init_state(MTP_CFG, B, 16, keep_draft_probs=True)
+  poison = lambda x: jnp.full_like(x, jnp.nan).at[..., :1].set(jnp.inf)
+  bad = fresh.set(kv=jax.tree.map(poison, fresh.kv), tail=jax.tree.map(poison, fresh.tail),
+                  draft_probs=poison(fresh.draft_probs), lengths=fresh.lengths + 5, num_pos=fresh.num_pos + 7)
+  reset = mtp_jax.reset_slots(bad, np.array([True, True]))
+  key = jax.random.key(3)
+  for temperature in (0.0, 1.0):
+    d_fresh, s_fresh = mtp_jax.propose(MTP, fresh, hiddens, tokens, num_new, 3, key=key, temperature=temperature)
+    d_reset, s_reset = mtp_jax.propose(MTP, reset, hiddens, tokens, num_new, 3, key=key, temperature=temperature)
+    np.testing.assert_array_equal(np.asarray(d_reset), np.asarray(d_fresh))
+    np.testing.assert_array_equal(np.asarray(s_reset.draft_probs), np.asarray(s_fresh.draft_probs))
+    for c_fresh, c_reset, n in zip(s_fresh.kv, s_reset.kv, np.asarray(s_fresh.lengths)):
+      for b in range(B):
+        np.testing.assert_array_equal(np.asarray(c_reset.v)[b, :n[b]], np.asarray(c_fresh.v)[b, :n[b]])

@@ -49,5 +49,10 @@ class Attention(nnx.Module):
     mask_BxTxS = key_rows_BxS[:, None, :] <= rows_BxT[:, :, None]
     scores = jnp.where(mask_BxTxS[:, None, None], scores, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BxSxKxDh.dtype)
+    # Rows no query may read get probability 0, but 0 * NaN = NaN: select them away so NaN / inf
+    # left in stale rows (a reset slot's earlier request) cannot leak into any output.
+    newest_B = jnp.max(jnp.where(valid_BxT, rows_BxT, -1), axis=1)
+    readable_BxS = key_rows_BxS <= newest_B[:, None]
+    v_BxSxKxDh = jnp.where(readable_BxS[:, :, None, None], v_BxSxKxDh, jnp.zeros((), v_BxSxKxDh.dtype))
     out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BxSxKxDh).reshape(b, t, hkv * g * dh)
     return self.o_proj(out.astype(x_BxTxD.dtype)), new_cache
