@@ -6,11 +6,12 @@ import dataclasses
 
 import jax.numpy as jnp
 
+from mtp_jax import validate
+
 
 def _check_positive(cls_name: str, **fields: int) -> None:
   for name, value in fields.items():
-    if not isinstance(value, int) or value < 1:
-      raise ValueError(f"{cls_name}.{name} must be a positive int, got {value!r}")
+    validate.positive_int(f"{cls_name}.{name}", value)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -172,19 +173,23 @@ class BlockConfig:
   moe: MoeConfig | None = None  # the FFN is a mixture of experts (see MoeConfig) instead of the dense MLP
 
   def __post_init__(self):
-    _check_positive(type(self).__name__, hidden_size=self.hidden_size,
-                    num_heads=self.num_heads, num_kv_heads=self.num_kv_heads,
-                    head_dim=self.head_dim, intermediate_size=self.intermediate_size)
+    cls = type(self).__name__
+    validate.dataclass_fields(
+        self, positive=("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"),
+        reals=dict(rms_norm_eps=(0.0, None, True), rope_theta=(0.0, None, True)),
+        flags=("attention_bias",), strings=("dtype",))
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(
+      raise validate.InvalidValue(
+          f"{cls}.num_heads",
           f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
     object.__setattr__(self, "rope_scaling", _as(RopeScaling, self.rope_scaling))
     object.__setattr__(self, "mla", _as(MlaConfig, self.mla))
     if not 0.0 < self.partial_rotary_factor <= 1.0:
-      raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+      raise validate.InvalidValue(f"{cls}.partial_rotary_factor",
+                                  f"{cls}.partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
     if self.rotary_dim % 2 or self.rotary_dim == 0:
-      raise ValueError(f"the rotary dims (head_dim * partial_rotary_factor = {self.rotary_dim}) "
-                       "must be even and positive")
+      raise validate.InvalidValue(f"{cls}.head_dim", f"{cls}: the rotary dims (head_dim * partial_rotary_factor "
+                                  f"= {self.rotary_dim}) must be even and positive")
     if self.sliding_window is not None:
       _check_positive(type(self).__name__, sliding_window=self.sliding_window)
     if self.mla is not None:
@@ -192,8 +197,8 @@ class BlockConfig:
       if self.partial_rotary_factor != 1.0:
         unsupported.append("partial_rotary_factor")
       if unsupported:
-        raise ValueError(f"{', '.join(unsupported)} cannot be combined with mla")
-    jnp.dtype(self.dtype)  # fails early on an unknown dtype name
+        raise validate.InvalidValue(f"{cls}.mla", f"{cls}: {', '.join(unsupported)} cannot be combined with mla")
+    validate.float_dtype(f"{cls}.dtype", self.dtype)
     if isinstance(self.moe, dict):  # as dataclasses.asdict wrote it into a config.json
       object.__setattr__(self, "moe", MoeConfig(**self.moe))
     if self.moe is not None and not isinstance(self.moe, MoeConfig):
@@ -228,7 +233,7 @@ class MtpConfig(BlockConfig):
 
   def __post_init__(self):
     super().__post_init__()
-    _check_positive("MtpConfig", vocab_size=self.vocab_size, num_modules=self.num_modules)
+    validate.dataclass_fields(self, positive=("vocab_size", "num_modules"), flags=("pass_normed_hidden",))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -244,4 +249,4 @@ class TargetConfig(BlockConfig):
 
   def __post_init__(self):
     super().__post_init__()
-    _check_positive("TargetConfig", vocab_size=self.vocab_size, num_layers=self.num_layers)
+    validate.dataclass_fields(self, positive=("vocab_size", "num_layers"), flags=("output_normed_hidden",))

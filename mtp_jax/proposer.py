@@ -32,6 +32,7 @@ import numpy as np
 from jax.experimental import checkify
 
 from mtp_jax import grammar as grammar_lib
+from mtp_jax import validate
 from mtp_jax.blocks import KVCache, init_cache
 from mtp_jax.config import MtpConfig
 from mtp_jax.mtp import MtpModel
@@ -75,10 +76,12 @@ def init_state(cfg: MtpConfig, batch_size: int, max_len: int, *, keep_draft_prob
   keep_draft_probs: also keep float32[B, K, V] draft distributions (for sampling verification).
   dtype: KV cache / tail dtype (default cfg.dtype).
   """
-  if batch_size < 1 or max_len < 1:
-    raise ValueError(f"batch_size and max_len must be >= 1, got {batch_size} and {max_len}")
+  validate.instance("cfg", cfg, MtpConfig)
+  batch_size = validate.positive_int("batch_size", batch_size)
+  max_len = validate.positive_int("max_len", max_len)
+  keep_draft_probs = validate.flag("keep_draft_probs", keep_draft_probs)
+  dtype = cfg.jnp_dtype if dtype is None else validate.float_dtype("dtype", dtype)
   k, d = cfg.num_modules, cfg.hidden_size
-  dtype = jnp.dtype(dtype or cfg.jnp_dtype)
   return ProposerState(
       kv=tuple(init_cache(cfg, batch_size, max_len, dtype) for _ in range(k)),
       tail=tuple(jnp.zeros((batch_size, k, d), dtype) for _ in range(k - 1)),
@@ -89,52 +92,58 @@ def init_state(cfg: MtpConfig, batch_size: int, max_len: int, *, keep_draft_prob
       cfg=cfg)
 
 
-def _is_concrete(*xs) -> bool:
-  return not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(xs))
-
-
 def _trim(lengths_KxB, num_pos_B, num_accepted_B):
   """The validity rule: module i keeps rows j <= P + 1 + a - (i + 1), i.e. length <= num_pos + a - i."""
   i_Kx1 = jnp.arange(lengths_KxB.shape[0], dtype=jnp.int32)[:, None]
   return jnp.maximum(0, jnp.minimum(lengths_KxB, num_pos_B[None] + num_accepted_B[None] - i_Kx1))
 
 
-def _check_propose_shapes(params, state, hiddens, tokens, num_new, num_drafts):
+def _check_state(state, cfg=None):
+  validate.instance("state", state, ProposerState, "a ProposerState (from init_state)")
+  if cfg is not None and state.cfg != cfg:
+    raise validate.InvalidValue("state", f"state was made for another config ({state.cfg}); params have {cfg}")
+
+
+def _check_propose_args(params, state, hiddens, tokens, num_new, num_drafts):
+  """(hiddens, tokens, num_new, num_drafts) with their types and shapes checked."""
+  validate.instance("params", params, MtpModel, "an MtpModel")
   cfg = params.cfg
-  if not isinstance(state, ProposerState):
-    raise TypeError(f"state must be a ProposerState, got {type(state).__name__}")
-  if state.cfg != cfg:
-    raise ValueError(f"state was made for another config ({state.cfg}); params have {cfg}")
-  if not isinstance(num_drafts, int) or not 1 <= num_drafts <= cfg.num_modules:
-    raise ValueError(f"num_drafts must be an int in 1..num_modules={cfg.num_modules}, got {num_drafts!r}")
-  b = state.batch_size
-  if hiddens.ndim != 3 or hiddens.shape[0] != b or hiddens.shape[2] != cfg.hidden_size:
-    raise ValueError(f"hiddens must be float[B={b}, T, D={cfg.hidden_size}], got shape {hiddens.shape}")
+  _check_state(state, cfg)
+  num_drafts = validate.integer("num_drafts", num_drafts, 1, cfg.num_modules)
+  b, d = state.batch_size, cfg.hidden_size
+  hiddens = validate.array("hiddens", hiddens, (b, None, d), kind="float", dims=f"[B={b}, T, D={d}]")
   t = hiddens.shape[1]
-  if t < 1:
-    raise ValueError("hiddens must have T >= 1 rows")
-  if tokens.shape != (b, t) or not jnp.issubdtype(tokens.dtype, jnp.integer):
-    raise ValueError(f"tokens must be int32[B={b}, T={t}], got {tokens.dtype}{list(tokens.shape)}")
-  if num_new.shape != (b,) or not jnp.issubdtype(num_new.dtype, jnp.integer):
-    raise ValueError(f"num_new must be int32[B={b}], got {num_new.dtype}{list(num_new.shape)}")
+  tokens = validate.array("tokens", tokens, (b, t), kind="int", dims=f"[B={b}, T={t}]")
+  num_new = validate.array("num_new", num_new, (b,), kind="int", dims=f"[B={b}]")
+  return hiddens, tokens, num_new, num_drafts
 
 
-def _propose_value_errors(state, tokens, num_new, vocab_size, t):
-  """(condition that must hold, message) pairs over values; shared by eager and checkify checks."""
+def _propose_value_errors(state, hiddens, tokens, num_new, vocab_size, grammar, grammar_state):
+  """(condition that must hold, argument, message) over values; shared by eager and checkify checks."""
+  t = tokens.shape[1]
   end = state.num_pos + num_new
-  return [
-      (jnp.all((num_new >= 0) & (num_new <= t)), f"num_new must be in 0..T={t}"),
-      (jnp.all(end <= state.max_len),
-       f"a sequence would outgrow max_len={state.max_len} (num_pos + num_new > max_len)"),
-      (jnp.all((tokens >= 0) & (tokens < vocab_size)), f"tokens must be in 0..vocab_size-1={vocab_size - 1}"),
+  real_BxT = jnp.arange(t)[None] < num_new[:, None]
+  errors = [
+      (jnp.all((num_new >= 0) & (num_new <= t)), "num_new", f"num_new must be in 0..T={t}"),
+      (jnp.all(end <= state.max_len), "num_new",
+       f"num_new: a sequence would outgrow max_len={state.max_len} (num_pos + num_new > max_len)"),
+      (jnp.all((tokens >= 0) & (tokens < vocab_size) | ~real_BxT), "tokens",
+       f"tokens must be in 0..vocab_size-1={vocab_size - 1}"),
+      # A NaN / inf hidden would sit in the chain's caches and tails for the rest of the sequence.
+      (jnp.all(jnp.isfinite(hiddens) | ~real_BxT[..., None]), "hiddens",
+       "hiddens must be finite at the num_new real rows (NaN or inf found)"),
   ]
+  if grammar is not None:
+    errors.append((jnp.all(grammar_state < grammar.num_states), "grammar_state",
+                   f"grammar_state must be < num_states={grammar.num_states} (negative: FREE)"))
+  return errors
 
 
 def _raise_eager(errors, **values):
-  for ok, msg in errors:
+  for ok, argument, msg in errors:
     if not bool(ok):
       detail = ", ".join(f"{k}={np.asarray(v).tolist()}" for k, v in values.items())
-      raise ValueError(f"{msg} ({detail})")
+      raise validate.InvalidValue(argument, f"{msg} ({detail})")
 
 
 def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, num_drafts: int, *,
@@ -165,20 +174,19 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
   Pure: inputs are not modified. Under a caller's `jax.jit` with `donate_argnames="state"` the
   caches are updated in place (see docs/proposer.md).
   """
-  hiddens, tokens, num_new = jnp.asarray(hiddens), jnp.asarray(tokens), jnp.asarray(num_new)
-  _check_propose_shapes(params, state, hiddens, tokens, num_new, num_drafts)
-  if temperature < 0:
-    raise ValueError(f"temperature must be >= 0, got {temperature}")
+  hiddens, tokens, num_new, num_drafts = _check_propose_args(params, state, hiddens, tokens, num_new, num_drafts)
+  temperature, top_k, top_p = validate.sampling(temperature, top_k, top_p, params.cfg.vocab_size)
   if temperature > 0 and key is None:
-    raise ValueError("key is required when temperature > 0")
+    raise validate.InvalidValue("key", "key is required when temperature > 0")
   if (grammar is None) != (grammar_state is None):
-    raise ValueError("grammar and grammar_state must be given together")
+    raise validate.InvalidValue("grammar_state", "grammar and grammar_state must be given together")
   if grammar is not None:
-    grammar_state = jnp.asarray(grammar_state)
-    _check_grammar(grammar, grammar_state, state.batch_size, params.cfg.vocab_size)
-    grammar_state = grammar_state.astype(jnp.int32)
-  if _is_concrete(state.num_pos, tokens, num_new):
-    _raise_eager(_propose_value_errors(state, tokens, num_new, params.cfg.vocab_size, tokens.shape[1]),
+    grammar_state = _check_grammar(grammar, grammar_state, state.batch_size, params.cfg.vocab_size)
+  checked = validate.flag("checked", checked)
+  hiddens, tokens, num_new = jnp.asarray(hiddens), jnp.asarray(tokens), jnp.asarray(num_new)
+  if validate.is_concrete(state.num_pos, hiddens, tokens, num_new, grammar_state):
+    _raise_eager(_propose_value_errors(state, hiddens, tokens, num_new, params.cfg.vocab_size, grammar,
+                                       grammar_state),
                  num_pos=state.num_pos, num_new=num_new)
     return _propose_jit(params, state, hiddens, tokens.astype(jnp.int32), num_new.astype(jnp.int32),
                         num_drafts, key, temperature, top_k, top_p, grammar, grammar_state, checked)
@@ -187,13 +195,13 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
 
 
 def _check_grammar(grammar, grammar_state, batch_size, vocab_size):
-  if not isinstance(grammar, grammar_lib.Grammar):
-    raise TypeError(f"grammar must be a mtp_jax.grammar.Grammar, got {type(grammar).__name__}")
+  """grammar_state as int32[B], its type and shape checked (its values with the other values)."""
+  validate.instance("grammar", grammar, grammar_lib.Grammar, "a mtp_jax.grammar.Grammar")
   if grammar.vocab_size > vocab_size:
-    raise ValueError(f"grammar has {grammar.vocab_size} tokens, more than the model's vocab_size={vocab_size}")
-  if grammar_state.shape != (batch_size,) or not jnp.issubdtype(grammar_state.dtype, jnp.integer):
-    raise ValueError(f"grammar_state must be int32[B={batch_size}], got "
-                     f"{grammar_state.dtype}{list(grammar_state.shape)}")
+    raise validate.InvalidValue(
+        "grammar", f"grammar has {grammar.vocab_size} tokens, more than the model's vocab_size={vocab_size}")
+  grammar_state = validate.array("grammar_state", grammar_state, (batch_size,), kind="int", dims=f"[B={batch_size}]")
+  return jnp.asarray(grammar_state).astype(jnp.int32)
 
 
 def _gather_rows(x_BxTx, idx_BxW):
@@ -206,7 +214,8 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
   # did; the serving loop's ablation (generate's draft_masks="first") uses it.
   cfg = params.cfg
   if checked:
-    for ok, msg in _propose_value_errors(state, tokens_BxT, num_new_B, cfg.vocab_size, tokens_BxT.shape[1]):
+    for ok, _, msg in _propose_value_errors(state, hiddens_BxTxD, tokens_BxT, num_new_B, cfg.vocab_size, grammar,
+                                         grammar_state_B):
       checkify.check(ok, msg)
   b, t, _ = hiddens_BxTxD.shape
   ring = cfg.num_modules
@@ -290,14 +299,14 @@ def after_verify(state: ProposerState, num_accepted, *, checked: bool = False) -
   Returns:
     The new ProposerState; module i keeps max(0, min(length_i, num_pos + a - i)) rows.
   """
-  num_accepted = jnp.asarray(num_accepted)
-  if num_accepted.shape != (state.batch_size,) or not jnp.issubdtype(num_accepted.dtype, jnp.integer):
-    raise ValueError(f"num_accepted must be int32[B={state.batch_size}], got "
-                     f"{num_accepted.dtype}{list(num_accepted.shape)}")
+  _check_state(state)
+  b = state.batch_size
+  num_accepted = jnp.asarray(validate.array("num_accepted", num_accepted, (b,), kind="int", dims=f"[B={b}]"))
+  checked = validate.flag("checked", checked)
   ok_msg = ((num_accepted >= 0) & (num_accepted <= state.num_drafted),
             "num_accepted must be in 0..k, the num_drafts of the last propose (0 when none is pending)")
-  if _is_concrete(state.num_drafted, num_accepted):
-    _raise_eager([(jnp.all(ok_msg[0]), ok_msg[1])], num_accepted=num_accepted, k=state.num_drafted)
+  if validate.is_concrete(state.num_drafted, num_accepted):
+    _raise_eager([(jnp.all(ok_msg[0]), "num_accepted", ok_msg[1])], num_accepted=num_accepted, k=state.num_drafted)
   elif checked:
     checkify.check(jnp.all(ok_msg[0]), ok_msg[1])
   return _after_verify(state, num_accepted.astype(jnp.int32))
@@ -313,16 +322,19 @@ def _after_verify(state, num_accepted_B):
 def reset_slots(state: ProposerState, mask) -> ProposerState:
   """Frees the slots where mask (bool[B]) is True: they behave exactly like a fresh state.
 
-  Cache rows are not cleared: with length 0 no row of the slot is ever attended to or read.
+  Lengths, positions, pending drafts, tails and draft_probs are zeroed. Cache rows are not
+  cleared: with length 0 no stale row is attended to, and attention selects (rather than
+  multiplies away) the rows it may not read, so even NaN / inf left there cannot leak.
   """
-  mask_B = jnp.asarray(mask, bool)
-  if mask_B.shape != (state.batch_size,):
-    raise ValueError(f"mask must be bool[B={state.batch_size}], got shape {mask_B.shape}")
+  _check_state(state)
+  b = state.batch_size
+  mask_B = jnp.asarray(validate.array("mask", mask, (b,), kind="bool", dims=f"[B={b}]"))
   # Only the small arrays change; the caches pass through as the same buffers (no jit, which
   # would copy every cache it returns).
-  zero = lambda x: jnp.where(mask_B, 0, x)
+  zero = lambda x: jnp.where(mask_B.reshape((b,) + (1,) * (x.ndim - 1)), jnp.zeros((), x.dtype), x)
   return state.set(lengths=jnp.where(mask_B[None], 0, state.lengths), num_pos=zero(state.num_pos),
-                   num_drafted=zero(state.num_drafted))
+                   num_drafted=zero(state.num_drafted), tail=tuple(zero(x) for x in state.tail),
+                   draft_probs=None if state.draft_probs is None else zero(state.draft_probs))
 
 
 def checked(fn):

@@ -31,7 +31,7 @@ import optax
 from flax import nnx
 from tqdm import tqdm
 
-from mtp_jax import checkpoint, data
+from mtp_jax import checkpoint, data, validate
 from mtp_jax.config import MtpConfig, TargetConfig
 from mtp_jax.mtp import MtpModel, forward_chain, init_mtp, load_state_dict, state_dict
 from mtp_jax.target import TargetModel, init_target, load_target_state_dict, target_state_dict
@@ -94,17 +94,13 @@ class TrainConfig:
   seed: int = 0
 
   def __post_init__(self):
-    if self.recipe not in RECIPES:
-      raise ValueError(f"recipe must be one of {RECIPES}, got {self.recipe!r}")
-    for name in ("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "save_every"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < 1:
-        raise ValueError(f"TrainConfig.{name} must be a positive int, got {value!r}")
-    if not 0 <= self.warmup_steps < self.steps:
-      raise ValueError(f"warmup_steps must be in 0..steps-1={self.steps - 1}, got {self.warmup_steps}")
-    if self.learning_rate <= 0 or self.mtp_weight < 0 or self.weight_decay < 0 or self.grad_clip <= 0:
-      raise ValueError("learning_rate and grad_clip must be > 0, mtp_weight and weight_decay >= 0; got "
-                       f"{self.learning_rate}, {self.grad_clip}, {self.mtp_weight}, {self.weight_decay}")
+    validate.one_of("TrainConfig.recipe", self.recipe, RECIPES)
+    validate.dataclass_fields(
+        self, positive=("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "save_every"),
+        ints=("seed",), flags=("stop_gradient",),
+        reals=dict(learning_rate=(0.0, None, True), final_lr_fraction=(0.0, 1.0, False),
+                   weight_decay=(0.0, None, False), grad_clip=(0.0, None, True), mtp_weight=(0.0, None, False)))
+    validate.integer("TrainConfig.warmup_steps", self.warmup_steps, 0, self.steps - 1)
 
 
 class Joint(nnx.Module):
@@ -338,12 +334,33 @@ def read_config(path) -> dict:
   if not os.path.isfile(file):
     raise FileNotFoundError(f"{path} is not a checkpoint directory: no {CONFIG_FILE}")
   with open(file) as f:
-    meta = json.load(f)
+    try:
+      meta = json.load(f)
+    except json.JSONDecodeError as e:
+      raise validate.InvalidValue(CONFIG_FILE, f"{file}: not valid JSON (truncated?): {e}") from e
+  if not isinstance(meta, dict):
+    raise validate.InvalidType(CONFIG_FILE, f"{file}: must hold a JSON object, got {type(meta).__name__}")
+  missing = [key for key in ("target", "mtp", "step") if key not in meta]
+  if missing:
+    raise validate.InvalidValue(CONFIG_FILE, f"{file}: malformed checkpoint config, missing {missing}")
   try:
-    return dict(target=TargetConfig(**meta["target"]), mtp=MtpConfig(**meta["mtp"]), step=int(meta["step"]),
-                train=None if meta.get("train") is None else TrainConfig(**meta["train"]))
-  except (KeyError, TypeError) as e:
-    raise ValueError(f"{file}: malformed checkpoint config ({e})") from e
+    configs = {}
+    for key, cls in (("target", TargetConfig), ("mtp", MtpConfig), ("train", TrainConfig)):
+      fields = meta.get(key)
+      if fields is None and key == "train":
+        configs[key] = None
+        continue
+      validate.instance(f"{key}", fields, dict, "a JSON object")
+      unknown = sorted(set(fields) - {f.name for f in dataclasses.fields(cls)})
+      if unknown:
+        raise validate.InvalidValue(f"{key}.{unknown[0]}", f"{key}: unknown field(s) {unknown}")
+      configs[key] = cls(**fields)
+    step = validate.integer("step", meta["step"], 0)
+  except (validate.InvalidValue, validate.InvalidType) as e:
+    raise validate.renamed(e, file) from e
+  except TypeError as e:  # a required field missing
+    raise validate.InvalidValue(CONFIG_FILE, f"{file}: malformed checkpoint config ({e})") from e
+  return dict(configs, step=step)
 
 
 def load_checkpoint(path) -> tuple[TargetModel, MtpModel]:

@@ -129,5 +129,5 @@ def test_bad_tensors_are_named():
 def test_config_errors():
   with pytest.raises(ValueError, match=r"num_heads \(3\) must be a multiple of num_kv_heads \(2\)"):
     mtp_jax.MtpConfig(**{**CFG.__dict__, "num_heads": 3})
-  with pytest.raises(ValueError, match=r"MtpConfig.num_modules must be a positive int, got 0"):
+  with pytest.raises(ValueError, match=r"MtpConfig.num_modules must be an int in 1\.\.2147483647, got 0"):
     mtp_jax.MtpConfig(**{**CFG.__dict__, "num_modules": 0})

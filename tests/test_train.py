@@ -193,8 +193,8 @@ def test_grow_modules_copies_module_one():
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(recipe="mtp"), "recipe must be one of"),
-    (dict(steps=0), r"TrainConfig\.steps must be a positive int"),
-    (dict(steps=10, warmup_steps=10), r"warmup_steps must be in 0\.\.steps-1=9"),
+    (dict(steps=0), r"TrainConfig\.steps must be an int in 1\.\.2147483647, got 0"),
+    (dict(steps=10, warmup_steps=10), r"TrainConfig\.warmup_steps must be an int in 0\.\.9, got 10"),
     (dict(learning_rate=0.0), "learning_rate"),
 ])
 def test_train_config_rejects_bad_values(kwargs, match):

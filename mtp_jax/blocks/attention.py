@@ -37,6 +37,18 @@ def attention_probs(scores_BxKxGxTxS, rows_BxT, key_rows_BxS, *, window: int | N
   return e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))
 
 
+def readable_rows(values_BxSx, rows_BxT, valid_BxT, key_rows_BxS) -> jax.Array:
+  """values_BxSx with the rows no valid query of this call may read replaced by zeros.
+
+  Those rows get probability 0, but 0 * NaN = NaN: selecting them away keeps NaN / inf left in
+  stale rows (a reset slot's earlier request) out of every output.
+  """
+  newest_B = jnp.max(jnp.where(valid_BxT, rows_BxT, -1), axis=1)
+  readable_BxS = key_rows_BxS <= newest_B[:, None]
+  readable = readable_BxS.reshape(readable_BxS.shape + (1,) * (values_BxSx.ndim - 2))
+  return jnp.where(readable, values_BxSx, jnp.zeros((), values_BxSx.dtype))
+
+
 class Attention(nnx.Module):
   """Causal GQA self-attention with RoPE; caches k, v dtype[B, L, Hkv, Dh] (`KVCache`)."""
 
@@ -86,6 +98,7 @@ class Attention(nnx.Module):
                         preferred_element_type=jnp.float32) * dh**-0.5
     sinks = None if self.sinks is None else self.sinks[...].reshape(hkv, g)
     probs = attention_probs(scores, rows_BxT, key_rows_BxS, window=self.window, sinks_KxG=sinks)
+    v_BxSxKxDh = readable_rows(v_BxSxKxDh, rows_BxT, valid_BxT, key_rows_BxS)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_BxSxKxDh.dtype), v_BxSxKxDh)
     out = out.reshape(b, t, hkv * g, dh).astype(x_BxTxD.dtype)
     if self.gated:
