@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The benchmark tables on a GPU machine, in under 5 minutes. From the repository root:
+# The benchmark tables on a GPU machine, in under 8 minutes. From the repository root:
 #   bash benchmarks/gpu.sh [RESULTS_DIR]      (default: $OUT if set, else /tmp/mtp-gpu-results)
 # Installs only what is missing: wheels from .whl/ when that folder exists (for a machine without
 # network), else pip (jax with CUDA 12, then the project's dependencies). PyTorch is skipped: its
@@ -20,7 +20,8 @@ fi
 "$py" -c "import flax, optax, safetensors, tqdm, outlines_core" 2>/dev/null || "$py" -m pip install -q -e .
 "$py" -c "import jax; print(jax.__version__, jax.devices())"
 export PYTHONUNBUFFERED=1
-for run in "170 bench_propose.py --no-torch" "50 bandwidth.py" "50 hot_path_ab.py"; do
+for run in "170 bench_propose.py --no-torch" "50 bandwidth.py" "50 hot_path_ab.py" \
+           "180 scaling.py --layers 4 16 32 64 --max-new-tokens 64"; do
   set -- $run
   timeout "$1" "$py" "benchmarks/$2" "${@:3}" | tee "$results/${2%.py}.md" || echo "$2 stopped early (status $?)"
 done

@@ -30,7 +30,7 @@ import numpy as np
 import bandwidth
 import variants as V
 from mtp_jax.blocks import attention, cache as cache_lib
-from mtp_jax.blocks.rope import rope
+from mtp_jax.blocks.rope import apply_rope
 from variants import mtp_jax
 
 def heads_major_zeros(cls, cfg, batch_size, max_len, dtype=None):
@@ -47,8 +47,10 @@ def heads_major_attention(self, x_BxTxD, rows_BxT, valid_BxT, cache, rope_offset
   hkv, dh = self.num_kv_heads, self.head_dim
   g = self.num_heads // hkv
   pos_BxT = rows_BxT + rope_offset
-  q = rope(self.q_proj(x_BxTxD).reshape(b, t, hkv * g, dh), pos_BxT, self.rope_theta)
-  k = rope(self.k_proj(x_BxTxD).reshape(b, t, hkv, dh), pos_BxT, self.rope_theta)
+  rope = functools.partial(apply_rope, inv_freq=self.inv_freq, interleave=self.interleave,
+                           attention_factor=self.rope_factor)
+  q = rope(self.q_proj(x_BxTxD).reshape(b, t, hkv * g, dh), pos_BxT)
+  k = rope(self.k_proj(x_BxTxD).reshape(b, t, hkv, dh), pos_BxT)
   v = self.v_proj(x_BxTxD).reshape(b, t, hkv, dh)
   max_len = cache.k.shape[2]
   write_BxT = jnp.where(valid_BxT, rows_BxT, max_len)

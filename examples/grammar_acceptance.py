@@ -22,7 +22,7 @@ three draft-mask modes (`generate(..., draft_masks=...)`):
 Verification masks each of the k + 1 positions with its own state in all three modes, so every
 output is the same constrained greedy text (the "same" column checks it against constrained
 decoding without a proposer); only the number of accepted drafts changes. Without the demo
-models (mtp_jax/assets) the script falls back to random models and says so: their figures show
+models (mtp_jax/assets/small) the script falls back to random models and says so: their figures show
 what the grammar alone makes predictable (forced punctuation and keys), not a trained model's.
 """
 

@@ -4,25 +4,68 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import time
 from collections.abc import Callable
 
+import ml_dtypes
 import numpy as np
 
-from mtp_jax import data
+from mtp_jax import checkpoint, data, train
 from mtp_jax.generate import generate
 from mtp_jax.mtp import MtpModel
 from mtp_jax.target import TargetModel
-from mtp_jax.train import load_checkpoint
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
+# small: 0.85M-parameter target, 3.4 MB, cache-resident (compute-bound on a CPU).
+# large: a target of about 64 MB in float32 (stored as bfloat16), memory-bound on a CPU.
+DEMO_MODELS = ("small", "large")
+ASSET_FILES = (train.TARGET_FILE, train.MTP_FILE, train.CONFIG_FILE)
 
 
-def load_demo(path=None) -> tuple[TargetModel, MtpModel, data.ByteTokenizer]:
-  """(target, proposer, tokenizer): the trained byte-level models shipped in mtp_jax/assets
-  (or the checkpoint directory `path`, as written by `mtp_jax.train`)."""
-  target, proposer = load_checkpoint(ASSETS if path is None else path)
+def demo_path(name: str) -> str:
+  """The directory of the shipped demo model `name` (one of DEMO_MODELS)."""
+  if name not in DEMO_MODELS:
+    raise ValueError(f"name must be one of {DEMO_MODELS}, got {name!r}")
+  return os.path.join(ASSETS, name)
+
+
+def has_demo(name: str) -> bool:
+  """Whether the package holds every file of demo model `name`."""
+  return all(os.path.isfile(os.path.join(demo_path(name), f)) for f in ASSET_FILES)
+
+
+def default_demo() -> str:
+  """The model `mtp-jax demo` / `generate` use: the large one when its files are present."""
+  return "large" if has_demo("large") else "small"
+
+
+def load_demo(path=None, *, name: str = "small") -> tuple[TargetModel, MtpModel, data.ByteTokenizer]:
+  """(target, proposer, tokenizer): the trained byte-level models shipped in mtp_jax/assets/<name>
+  (or the checkpoint directory `path`, as written by `mtp_jax.train`). Weights stored as bfloat16
+  are computed in the config's dtype (float32)."""
+  if path is None and not has_demo(name):
+    raise FileNotFoundError(f"the demo model {name!r} is not in this package ({demo_path(name)} lacks "
+                            f"{', '.join(ASSET_FILES)}); see docs/demo.md for how it is made")
+  target, proposer = train.load_checkpoint(demo_path(name) if path is None else path)
   return target, proposer, data.ByteTokenizer()
+
+
+def export_demo(checkpoint_dir, out_dir, *, dtype: str = "bfloat16") -> int:
+  """Writes the inference files of a training checkpoint (target, MTP modules, config; no optimizer
+  state) to out_dir, floating tensors stored as `dtype`. Returns the bytes written."""
+  train.read_config(checkpoint_dir)  # a complete checkpoint, or a clear error
+  os.makedirs(out_dir, exist_ok=True)
+  stored = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
+  total = 0
+  for name in (train.TARGET_FILE, train.MTP_FILE):
+    tensors = checkpoint.load_tensors(os.path.join(os.fspath(checkpoint_dir), name))
+    tensors = {k: v.astype(stored) if v.dtype.kind == "f" else v for k, v in tensors.items()}
+    checkpoint.save_tensors(os.path.join(out_dir, name), tensors)
+    total += os.path.getsize(os.path.join(out_dir, name))
+  # The config keeps the compute dtype (float32): loading casts the stored tensors to it.
+  shutil.copyfile(os.path.join(os.fspath(checkpoint_dir), train.CONFIG_FILE), os.path.join(out_dir, train.CONFIG_FILE))
+  return total
 
 
 @dataclasses.dataclass
@@ -33,41 +76,51 @@ class DemoRow:
   acceptance: list[float]      # P(draft i accepted) per verify step, i = 1..k
   mean_accepted_length: float  # tokens per verify step (target call after the prefill)
   target_calls: int            # prefill included, summed over prompts
-  tokens_per_s: float
-  ms_per_call: float           # decode time per target call: one verify + one propose step
+  tokens_per_s: float          # generated tokens / the median pass time
+  speedup: float               # median over passes of plain pass time / this pass time
+  ms_per_call: float           # median decode time per target call: one verify + one propose step
   compile_s: float
   same_as_plain: bool
 
 
 @dataclasses.dataclass
 class DemoReport:
+  model: str  # "small", "large" or the checkpoint path
   rows: list[DemoRow]
   plain_tokens_per_s: float
   plain_ms_per_call: float
   plain_target_calls: int
   plain_compile_s: float
   generated_tokens: int
+  repeats: int
   sample: tuple[str, str]  # the first prompt and its greedy continuation
 
 
-def _decode_all(fn, prompts, repeats: int) -> tuple[list, float, float]:
-  """Runs fn(prompt) for each prompt at batch 1, after one untimed call that compiles.
-
-  Returns (outputs, seconds for all prompts: the fastest of `repeats` passes, which other
-  processes on the machine disturb least; compile seconds = first call - fastest call of prompt 0).
-  """
+def _timed(fn, prompt):
   t0 = time.perf_counter()
-  fn(prompts[0])
-  first_s = time.perf_counter() - t0
-  best = None
-  for _ in range(repeats):
-    outs, times = [], []
-    for p in prompts:
-      t0 = time.perf_counter()
-      outs.append(fn(p))
-      times.append(time.perf_counter() - t0)
-    best = times if best is None else np.minimum(best, times)
-  return outs, float(np.sum(best)), max(0.0, first_s - float(best[0]))
+  out = fn(prompt)
+  return out, time.perf_counter() - t0
+
+
+def _interleaved(decoders: list, prompts, repeats: int) -> tuple[list, np.ndarray, list[float]]:
+  """Runs every decoder on every prompt (batch 1), `repeats` passes, taking turns prompt by prompt
+  (the order rotates each pass), so load changes on the machine hit all decoders alike.
+
+  Returns (outputs per decoder (one list over prompts, from the last pass), seconds per pass
+  float64[decoders, repeats] summed over prompts, compile seconds per decoder: its first call,
+  made before any timing, minus its median time on the same prompt).
+  """
+  first = [_timed(fn, prompts[0])[1] for fn in decoders]
+  n = len(decoders)
+  secs = np.zeros((n, repeats, len(prompts)))
+  outs = [[None] * len(prompts) for _ in decoders]
+  for rep in range(repeats):
+    for j, p in enumerate(prompts):
+      for shift in range(n):
+        i = (rep + j + shift) % n
+        outs[i][j], secs[i, rep, j] = _timed(decoders[i], p)
+  compile_s = [max(0.0, f - float(np.median(secs[i, :, 0]))) for i, f in enumerate(first)]
+  return outs, secs.sum(axis=2), compile_s
 
 
 def _pooled(outs, key: str) -> np.ndarray:
@@ -78,12 +131,14 @@ def _pooled(outs, key: str) -> np.ndarray:
 
 
 def run_demo(*, num_prompts: int = 8, prompt_len: int = 64, max_new_tokens: int = 128, seed: int = 0,
-             path=None, ks: list[int] | None = None, repeats: int = 3) -> DemoReport:
+             name: str = "small", path=None, ks: list[int] | None = None, repeats: int = 3) -> DemoReport:
   """Greedy speculative decoding for each k in `ks` (default 1..K) and plain greedy decoding on
   `num_prompts` held-out prompts of `prompt_len` bytes, one prompt at a time (batch 1, the
-  latency setting speculative decoding is for). Compilation is timed apart from decoding.
+  latency setting speculative decoding is for), with the demo model `name` (or the checkpoint
+  `path`). The decoders take turns (see `_interleaved`); times are medians over `repeats`
+  passes, and compilation is timed apart from decoding.
   """
-  target, proposer, tok = load_demo(path)
+  target, proposer, tok = load_demo(path, name=name)
   num_modules = proposer.cfg.num_modules
   ks = list(range(1, num_modules + 1)) if ks is None else ks
   bad = [k for k in ks if not 1 <= k <= num_modules]
@@ -92,27 +147,36 @@ def run_demo(*, num_prompts: int = 8, prompt_len: int = 64, max_new_tokens: int 
   if repeats < 1:
     raise ValueError(f"repeats must be >= 1, got {repeats}")
   prompts = data.heldout_prompts(num_prompts, prompt_len=prompt_len, seed=seed)
-  plain, plain_s, plain_compile = _decode_all(lambda p: generate(target, None, [p], max_new_tokens), prompts,
-                                              repeats)
+  decoders = [lambda p: generate(target, None, [p], max_new_tokens)]
+  decoders += [lambda p, k=k: generate(target, proposer, [p], max_new_tokens, num_drafts=k) for k in ks]
+  outs, secs, compile_s = _interleaved(decoders, prompts, repeats)
+  plain, plain_secs = outs[0], secs[0]
   generated = sum(o.stats["generated_tokens"] for o in plain)
   plain_calls = sum(o.stats["target_calls"] for o in plain)
   rows = []
-  for k in ks:
-    outs, run_s, compile_s = _decode_all(
-        lambda p: generate(target, proposer, [p], max_new_tokens, num_drafts=k), prompts, repeats)
-    calls = sum(o.stats["target_calls"] for o in outs)
-    rows.append(DemoRow(k=k, acceptance=_pooled(outs, "acceptance_per_position").tolist(),
-                        mean_accepted_length=float(_pooled(outs, "mean_accepted_length")), target_calls=calls,
-                        tokens_per_s=sum(o.stats["generated_tokens"] for o in outs) / run_s,
-                        ms_per_call=1e3 * run_s / calls, compile_s=compile_s,
-                        same_as_plain=[o.tokens for o in outs] == [o.tokens for o in plain]))
-  return DemoReport(rows=rows, plain_tokens_per_s=generated / plain_s, plain_ms_per_call=1e3 * plain_s / plain_calls,
-                    plain_target_calls=plain_calls, plain_compile_s=plain_compile, generated_tokens=generated,
-                    sample=(tok.decode(prompts[0]), tok.decode(plain[0].tokens[0])))
+  for k, spec, spec_secs, spec_compile in zip(ks, outs[1:], secs[1:], compile_s[1:]):
+    calls = sum(o.stats["target_calls"] for o in spec)
+    run_s = float(np.median(spec_secs))
+    rows.append(DemoRow(k=k, acceptance=_pooled(spec, "acceptance_per_position").tolist(),
+                        mean_accepted_length=float(_pooled(spec, "mean_accepted_length")), target_calls=calls,
+                        tokens_per_s=sum(o.stats["generated_tokens"] for o in spec) / run_s,
+                        speedup=float(np.median(plain_secs / spec_secs)),
+                        ms_per_call=1e3 * run_s / calls, compile_s=spec_compile,
+                        same_as_plain=[o.tokens for o in spec] == [o.tokens for o in plain]))
+  plain_s = float(np.median(plain_secs))
+  return DemoReport(model=name if path is None else os.fspath(path), rows=rows,
+                    plain_tokens_per_s=generated / plain_s, plain_ms_per_call=1e3 * plain_s / plain_calls,
+                    plain_target_calls=plain_calls, plain_compile_s=compile_s[0], generated_tokens=generated,
+                    repeats=repeats, sample=(tok.decode(prompts[0]), tok.decode(plain[0].tokens[0])))
+
+
+def best_row(report: DemoReport) -> DemoRow:
+  """The k with the highest speculative tokens/s."""
+  return max(report.rows, key=lambda r: r.tokens_per_s)
 
 
 def format_report(report: DemoReport) -> str:
-  """The demo's table as text, one row per k."""
+  """The demo's table as text, one row per k, then the best k in one line."""
   k_max = max(r.k for r in report.rows)
   head = (f"{'k':>2} | {'acceptance per depth':<{7 * k_max}} | {'accepted len':>12} | {'target calls':>12} | "
           f"{'ms/call':>7} | {'spec tok/s':>10} | {'plain tok/s':>11} | {'speedup':>7} | {'same':>4} | "
@@ -122,21 +186,25 @@ def format_report(report: DemoReport) -> str:
     acc = " ".join(f"{a:6.3f}" for a in r.acceptance)
     lines.append(f"{r.k:>2} | {acc:<{7 * k_max}} | {r.mean_accepted_length:>12.3f} | {r.target_calls:>12} | "
                  f"{r.ms_per_call:>7.2f} | {r.tokens_per_s:>10.0f} | {report.plain_tokens_per_s:>11.0f} | "
-                 f"{r.tokens_per_s / report.plain_tokens_per_s:>6.2f}x | {'yes' if r.same_as_plain else 'NO':>4} | "
-                 f"{r.compile_s:>9.1f}")
+                 f"{r.speedup:>6.2f}x | {'yes' if r.same_as_plain else 'NO':>4} | {r.compile_s:>9.1f}")
   lines.append(f"plain greedy: {report.plain_target_calls} target calls for {report.generated_tokens} tokens, "
                f"{report.plain_ms_per_call:.2f} ms/call, compile {report.plain_compile_s:.1f} s")
+  best = best_row(report)
+  lines.append(f"best: k={best.k}, {best.speedup:.2f}x plain tokens/s ({best.tokens_per_s:.0f} vs "
+               f"{report.plain_tokens_per_s:.0f}), mean accepted length {best.mean_accepted_length:.2f}, "
+               f"model {report.model}")
   return "\n".join(lines)
 
 
 def main(*, num_prompts: int, prompt_len: int, max_new_tokens: int, seed: int, repeats: int,
-         ks: list[int] | None = None, path=None, out: Callable[[str], None] = print) -> int:
+         ks: list[int] | None = None, name: str = "small", path=None, out: Callable[[str], None] = print) -> int:
   """Runs the demo and prints the table; returns 1 if any speculative output differs from plain."""
   report = run_demo(num_prompts=num_prompts, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                    seed=seed, path=path, ks=ks, repeats=repeats)
+                    seed=seed, name=name, path=path, ks=ks, repeats=repeats)
   prompt, continuation = report.sample
-  out(f"{num_prompts} held-out prompts of {prompt_len} bytes, {max_new_tokens} new tokens each, greedy, "
-      f"one prompt at a time; times: the fastest of {repeats} passes, compile apart")
+  out(f"demo model: {report.model}; {num_prompts} held-out prompts of {prompt_len} bytes, {max_new_tokens} new "
+      f"tokens each, greedy, one prompt at a time; plain and every k take turns, times are medians of "
+      f"{repeats} passes, compile apart; speedup: median of per-pass ratios")
   out(f"sample prompt:\n{prompt}\n--- greedy continuation:\n{continuation}\n---")
   out(format_report(report))
   same = all(r.same_as_plain for r in report.rows)

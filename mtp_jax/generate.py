@@ -105,11 +105,20 @@ def _masked(grammar, logits_BxXxV, state_BxX):
 
 
 def _draft(proposer, grammar, pstate, hid, tokens, num_new_B, gstate_B, key, cfg: _Settings):
-  """propose(); with a grammar, drafts are masked as cfg.draft_masks says (an ablation switch)."""
+  """propose() with the loop's fixed k, so only the k drafting modules run (catch_up=False); with a
+  grammar, drafts are masked as cfg.draft_masks says (an ablation switch)."""
   draft_grammar = None if cfg.draft_masks == "none" else grammar
   return prop._propose(proposer, pstate, hid, tokens, num_new_B, cfg.num_drafts, key, cfg.temperature,
                        cfg.top_k, cfg.top_p, draft_grammar, None if draft_grammar is None else gstate_B,
-                       False, cfg.draft_masks == "per_position")
+                       False, cfg.draft_masks == "per_position", catch_up=False)
+
+
+def _split(key, cfg: _Settings):
+  """(carried key, key for the target's token, key for the drafts); greedy decoding draws nothing,
+  so it splits nothing (a split is a threefry loop per step on CPU)."""
+  if cfg.temperature == 0:
+    return key, None, None
+  return tuple(jax.random.split(key, 3))
 
 
 def _start(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key, cfg: _Settings) -> LoopState:
@@ -119,7 +128,7 @@ def _start(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key, cfg: _
   if cfg.mesh is not None:
     tstate = sharding.shard_state(tstate, cfg.mesh)
   logits, hid, tstate = target_step(target, tstate, prompts_BxT, lens_B)
-  key, k_first, k_draft = jax.random.split(key, 3)
+  key, k_first, k_draft = _split(key, cfg)
   last_logits = jnp.take_along_axis(logits, (lens_B - 1)[:, None, None], axis=1)[:, 0]
   first_B, _ = sample(_masked(grammar, last_logits, gstate_B), k_first, temperature=cfg.temperature,
                       top_k=cfg.top_k, top_p=cfg.top_p)
@@ -148,7 +157,7 @@ def _step(target, proposer, grammar, s: LoopState, cfg: _Settings) -> LoopState:
   k = cfg.num_drafts
   b = s.last.shape[0]
   active_B = ~s.done
-  key, k_verify, k_draft = jax.random.split(s.key, 3)
+  key, k_verify, k_draft = _split(s.key, cfg)
   inp_BxK1 = jnp.concatenate([s.last[:, None], s.drafts], axis=1)
   old_len = s.target.length
   logits, hid, tstate = target_step(target, s.target, inp_BxK1, jnp.where(active_B, k + 1, 0))

@@ -17,8 +17,11 @@ j + i + 1 > P + 1 used drafts. `after_verify(a)` keeps rows j <= P + 1 + a - (i 
 The next `propose` recomputes module i from `lengths[i]` up to the new P': at most
 T + i rows, so module i's window is the static T + i.
 
-With `num_drafts = k < K`, modules k..K-1 still run, but only over rows whose inputs are all
-verified (catch-up), so a later call with a larger k finds them within their window.
+With `num_drafts = k < K` and `catch_up=True`, modules k..K-1 still run, but only over rows whose
+inputs are all verified (catch-up), so a later call with a larger k finds them within their
+window. A caller that keeps k fixed passes `catch_up=False`: only the k drafting modules run, and
+the static `num_live` of the state records that modules k..K-1 fell behind, so a later call that
+would need them (more drafts, or a catch-up) is refused instead of drafting from stale rows.
 """
 
 from __future__ import annotations
@@ -46,7 +49,9 @@ class ProposerState:
 
   kv: K x KVCache(k, v: dtype[B, L, Hkv, Dh]); tail: (K - 1) x dtype[B, K, D];
   lengths: int32[K, B]; num_pos: int32[B]; num_drafted: int32[B];
-  draft_probs: float32[B, K, V] or None; cfg: static MtpConfig.
+  draft_probs: float32[B, K, V] or None; cfg: static MtpConfig;
+  num_live: static int, the modules 0..num_live-1 whose rows are current (K unless a
+  `propose(..., catch_up=False)` left the deeper ones behind).
   """
 
   kv: tuple[KVCache, ...]
@@ -56,6 +61,7 @@ class ProposerState:
   num_drafted: jax.Array
   draft_probs: jax.Array | None
   cfg: MtpConfig = dataclasses.field(metadata=dict(static=True))
+  num_live: int = dataclasses.field(metadata=dict(static=True))
 
   def set(self, **changes) -> "ProposerState":
     return dataclasses.replace(self, **changes)
@@ -89,7 +95,7 @@ def init_state(cfg: MtpConfig, batch_size: int, max_len: int, *, keep_draft_prob
       num_pos=jnp.zeros((batch_size,), jnp.int32),
       num_drafted=jnp.zeros((batch_size,), jnp.int32),
       draft_probs=(jnp.zeros((batch_size, k, cfg.vocab_size), jnp.float32) if keep_draft_probs else None),
-      cfg=cfg)
+      cfg=cfg, num_live=k)
 
 
 def _trim(lengths_KxB, num_pos_B, num_accepted_B):
@@ -104,12 +110,18 @@ def _check_state(state, cfg=None):
     raise validate.InvalidValue("state", f"state was made for another config ({state.cfg}); params have {cfg}")
 
 
-def _check_propose_args(params, state, hiddens, tokens, num_new, num_drafts):
+def _check_propose_args(params, state, hiddens, tokens, num_new, num_drafts, catch_up):
   """(hiddens, tokens, num_new, num_drafts) with their types and shapes checked."""
   validate.instance("params", params, MtpModel, "an MtpModel")
   cfg = params.cfg
   _check_state(state, cfg)
   num_drafts = validate.integer("num_drafts", num_drafts, 1, cfg.num_modules)
+  run = cfg.num_modules if catch_up else num_drafts
+  if run > state.num_live:
+    raise validate.InvalidValue(
+        "num_drafts", f"this call needs modules 0..{run - 1} current, but a propose with catch_up=False left "
+        f"only modules 0..{state.num_live - 1} live (num_live={state.num_live}); use "
+        f"num_drafts <= {state.num_live} with catch_up=False, or start from init_state")
   b, d = state.batch_size, cfg.hidden_size
   hiddens = validate.array("hiddens", hiddens, (b, None, d), kind="float", dims=f"[B={b}, T, D={d}]")
   t = hiddens.shape[1]
@@ -148,7 +160,7 @@ def _raise_eager(errors, **values):
 
 def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, num_drafts: int, *,
             key=None, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-            grammar=None, grammar_state=None, checked: bool = False):
+            grammar=None, grammar_state=None, checked: bool = False, catch_up: bool = True):
   """Catches the chain up on the newly verified positions and drafts `num_drafts` tokens.
 
   Args:
@@ -168,13 +180,18 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
       after drafts 0..i-1, so the drafts are a valid continuation and, when sampling, the kept
       draft_probs are the masked distributions the drafts were drawn from.
     checked: add `checkify` checks on values (wrap the caller in `checkify.checkify`).
+    catch_up: static. True runs every module (modules k..K-1 over their verified rows only), so
+      the next call may use any k. False runs only the k drafting modules, for callers that keep
+      k fixed (`generate`): the state's num_live becomes k, and later calls must keep
+      num_drafts <= k with catch_up=False.
   Returns:
     drafts int32[B, k], new ProposerState. Drafts of a sequence with no positions are unspecified.
 
   Pure: inputs are not modified. Under a caller's `jax.jit` with `donate_argnames="state"` the
   caches are updated in place (see docs/proposer.md).
   """
-  hiddens, tokens, num_new, num_drafts = _check_propose_args(params, state, hiddens, tokens, num_new, num_drafts)
+  hiddens, tokens, num_new, num_drafts = _check_propose_args(params, state, hiddens, tokens, num_new, num_drafts,
+                                                             catch_up)
   temperature, top_k, top_p = validate.sampling(temperature, top_k, top_p, params.cfg.vocab_size)
   if temperature > 0 and key is None:
     raise validate.InvalidValue("key", "key is required when temperature > 0")
@@ -183,15 +200,17 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
   if grammar is not None:
     grammar_state = _check_grammar(grammar, grammar_state, state.batch_size, params.cfg.vocab_size)
   checked = validate.flag("checked", checked)
+  catch_up = validate.flag("catch_up", catch_up)
   hiddens, tokens, num_new = jnp.asarray(hiddens), jnp.asarray(tokens), jnp.asarray(num_new)
   if validate.is_concrete(state.num_pos, hiddens, tokens, num_new, grammar_state):
     _raise_eager(_propose_value_errors(state, hiddens, tokens, num_new, params.cfg.vocab_size, grammar,
                                        grammar_state),
                  num_pos=state.num_pos, num_new=num_new)
     return _propose_jit(params, state, hiddens, tokens.astype(jnp.int32), num_new.astype(jnp.int32),
-                        num_drafts, key, temperature, top_k, top_p, grammar, grammar_state, checked)
+                        num_drafts, key, temperature, top_k, top_p, grammar, grammar_state, checked, True, catch_up)
   return _propose(params, state, hiddens, tokens.astype(jnp.int32), num_new.astype(jnp.int32),
-                  num_drafts, key, temperature, top_k, top_p, grammar, grammar_state, checked)
+                  num_drafts, key, temperature, top_k, top_p, grammar, grammar_state, checked,
+                  catch_up=catch_up)
 
 
 def _check_grammar(grammar, grammar_state, batch_size, vocab_size):
@@ -209,9 +228,11 @@ def _gather_rows(x_BxTx, idx_BxW):
 
 
 def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, key, temperature,
-             top_k, top_p, grammar, grammar_state_B, checked, grammar_per_position=True):
+             top_k, top_p, grammar, grammar_state_B, checked, grammar_per_position=True, catch_up=True):
   # grammar_per_position=False masks every draft with grammar_state_B, as the seed proposer
   # did; the serving loop's ablation (generate's draft_masks="first") uses it.
+  # catch_up=False runs modules 0..k-1 only; the deeper modules' rows, lengths and rings are
+  # left as they were (stale), which num_live records.
   cfg = params.cfg
   if checked:
     for ok, _, msg in _propose_value_errors(state, hiddens_BxTxD, tokens_BxT, num_new_B, cfg.vocab_size, grammar,
@@ -230,7 +251,8 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
   new_lengths, drafts, probs = [], [], []
   prev_h_BxWxD, prev_start_B = hiddens_BxTxD.astype(cfg.jnp_dtype), num_pos_B
   g_state_B = grammar_state_B
-  for i in range(cfg.num_modules):
+  num_run = cfg.num_modules if catch_up else num_drafts
+  for i in range(num_run):
     drafting = i < num_drafts
     w = t + i
     start_B = lengths_KxB[i]
@@ -256,7 +278,7 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
     emb_BxWxD = params.embed_tokens(tok_BxW)
     out_BxWxD, kv[i] = params.layers[i](emb_BxWxD, h_BxWxD, rows_BxW, valid_BxW, kv[i], rope_offset=i + 1)
     next_h_BxWxD = params.next_hidden(i, out_BxWxD)
-    if i < cfg.num_modules - 1:
+    if i < num_run - 1:  # the ring is read only by the next module
       keep_BxW = valid_BxW & (rows_BxW >= limit_B[:, None] - ring)
       slot_BxW = jnp.where(keep_BxW, rows_BxW % ring, ring)
       tail[i] = tail[i].at[b_idx, slot_BxW].set(next_h_BxWxD.astype(tail[i].dtype), mode="drop")
@@ -279,13 +301,14 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
   draft_probs = state.draft_probs
   if draft_probs is not None:
     draft_probs = draft_probs.at[:, :num_drafts].set(jnp.stack(probs, axis=1))
-  new_state = state.set(kv=tuple(kv), tail=tuple(tail), lengths=jnp.stack(new_lengths),
+  new_state = state.set(kv=tuple(kv), tail=tuple(tail),
+                        lengths=jnp.concatenate([jnp.stack(new_lengths), lengths_KxB[num_run:]]),
                         num_pos=new_num_pos_B, num_drafted=jnp.full((b,), num_drafts, jnp.int32),
-                        draft_probs=draft_probs)
+                        draft_probs=draft_probs, num_live=num_run)
   return jnp.stack(drafts, axis=1), new_state
 
 
-_propose_jit = jax.jit(_propose, static_argnums=(5, 7, 8, 9, 12, 13))
+_propose_jit = jax.jit(_propose, static_argnums=(5, 7, 8, 9, 12, 13, 14))
 
 
 def after_verify(state: ProposerState, num_accepted, *, checked: bool = False) -> ProposerState:

@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
@@ -14,10 +15,12 @@ sys.path.insert(0, str(BENCH))
 import bandwidth  # noqa: E402
 import bench_propose  # noqa: E402
 import hot_path_ab  # noqa: E402
+import scaling  # noqa: E402
+import vs_transformers  # noqa: E402
 
 
 def test_scripts_start_from_a_checkout():
-  for script in ("bench_propose.py", "bandwidth.py", "hot_path_ab.py"):
+  for script in ("bench_propose.py", "bandwidth.py", "hot_path_ab.py", "scaling.py", "vs_transformers.py"):
     proc = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True,
                           timeout=300, cwd="/")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -50,3 +53,32 @@ def test_hot_path_ab_quick(capsys):
   out = capsys.readouterr().out
   assert "| 4 | " in out.split("Weight streaming of a few-row dot")[1]
   assert "| D=64 | 2 | 1 | " in out  # the patched variants gave the library's drafts
+
+
+@pytest.mark.slow
+def test_scaling_quick(capsys):
+  scaling.main(["--quick", "--layers", "4", "6", "--ks", "2"])
+  out = capsys.readouterr().out
+  # Zero-output layers keep the tokens (asserted against plain decoding inside) and add weight bytes.
+  assert "| 4 | 3.4 | " in out and "| 6 | 5.0 | " in out
+
+
+def test_deepened_target_gives_the_same_logits():
+  import jax.numpy as jnp
+  from mtp_jax import demo
+  small, _, _ = demo.load_demo(name="small")
+  deep = scaling.deepened(small, 6)
+  tokens = jnp.array([[5, 6, 7, 8]])
+  run = lambda m: m(tokens, jnp.arange(4)[None], jnp.ones((1, 4), bool), None)[0]
+  np.testing.assert_allclose(run(deep), run(small), rtol=1e-5, atol=1e-5)
+  assert scaling.weight_bytes(deep) > scaling.weight_bytes(small)
+  with pytest.raises(ValueError, match="num_layers must be >= the target's 4"):
+    scaling.deepened(small, 3)
+
+
+@pytest.mark.slow
+def test_vs_transformers_quick(capsys):
+  vs_transformers.main(["--quick", "--ks", "1"])
+  out = capsys.readouterr().out
+  assert "| speculative, k=1 (use_mtp=True) | " in out
+  assert "mtp_jax plain == transformers plain" in out  # the same model on both sides

@@ -14,22 +14,24 @@ TINY_TRAIN = ["--batch-size", "2", "--seq-len", "16", "--hidden-size", "32", "--
 
 
 def test_demo_prints_the_table(capsys):
-  assert cli.main(["demo", "--num-prompts", "2", "--max-new-tokens", "16", "--repeats", "1", "--ks", "1", "3"]) == 0
+  argv = ["demo", "--small", "--num-prompts", "2", "--max-new-tokens", "16", "--repeats", "1", "--ks", "1", "3"]
+  assert cli.main(argv) == 0
   out = capsys.readouterr().out
   assert "\n 1 | " in out and "\n 3 | " in out and "\n 2 | " not in out
   assert "speculative output equals plain greedy output for every k" in out
+  assert "demo model: small" in out and "\nbest: k=" in out
 
 
 def test_generate_streams_the_continuation(capsys):
   prompt = "    def __init__(self, "
-  assert cli.main(["generate", "--prompt", prompt, "--max-new-tokens", "24"]) == 0
+  assert cli.main(["generate", "--small", "--prompt", prompt, "--max-new-tokens", "24"]) == 0
   captured = capsys.readouterr()
   assert captured.out.startswith(prompt) and len(captured.out) > len(prompt) + 8
   assert "target calls" in captured.err
 
 
 def test_generate_reports_bad_arguments(capsys):
-  assert cli.main(["generate", "--prompt", "x", "--num-drafts", "5"]) == 2
+  assert cli.main(["generate", "--small", "--prompt", "x", "--num-drafts", "5"]) == 2
   assert "num_drafts must be in 1..num_modules=3" in capsys.readouterr().err
   with pytest.raises(SystemExit, match="--out"):
     cli.main(["train", "--steps", "2"])

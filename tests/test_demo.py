@@ -1,7 +1,13 @@
 """The shipped demo models: they load, and speculative decoding reproduces plain greedy decoding."""
 
+import os
+
+import jax
+import numpy as np
+import pytest
+
 import mtp_jax
-from mtp_jax import data, demo
+from mtp_jax import checkpoint, data, demo, train
 
 
 def test_load_demo_returns_the_shipped_models_and_tokenizer():
@@ -23,8 +29,10 @@ def test_demo_speculative_output_equals_plain_greedy():
     # Trained modules: more than one token per verify step, hence fewer target calls than plain decoding.
     assert row.mean_accepted_length > 1.5
     assert row.target_calls < report.plain_target_calls == report.generated_tokens
+  assert report.model == "small" and all(r.speedup > 0 for r in report.rows)
   text = demo.format_report(report)
   assert " 3 | " in text and "yes" in text and "NO" not in text
+  assert f"best: k={demo.best_row(report).k}," in text
 
 
 def test_run_demo_rejects_k_beyond_the_modules():
@@ -34,3 +42,28 @@ def test_run_demo_rejects_k_beyond_the_modules():
     assert "ks must lie in 1..3" in str(e)
   else:
     raise AssertionError("k = 4 was accepted")
+
+
+def test_export_stores_bf16_and_loads_as_float32(tmp_path):
+  out = tmp_path / "asset"
+  written = demo.export_demo(demo.demo_path("small"), out)
+  small = sum(os.path.getsize(os.path.join(demo.demo_path("small"), f)) for f in (train.TARGET_FILE, train.MTP_FILE))
+  assert written < 0.55 * small
+  assert {str(v.dtype) for v in checkpoint.load_tensors(out / train.TARGET_FILE).values()} == {"bfloat16"}
+  target, proposer, _ = demo.load_demo(out)
+  ref_target, _, _ = demo.load_demo()
+  got, want = jax.tree.leaves(target), jax.tree.leaves(ref_target)
+  assert len(got) == len(want) > 10 and all(g.dtype == np.float32 for g in got)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-2, atol=1e-6)
+
+
+def test_unknown_or_missing_demo_model(monkeypatch, tmp_path):
+  with pytest.raises(ValueError, match=r"name must be one of \('small', 'large'\)"):
+    demo.load_demo(name="medium")
+  monkeypatch.setattr(demo, "ASSETS", str(tmp_path))
+  assert demo.default_demo() == "small"
+  with pytest.raises(FileNotFoundError, match="the demo model 'large' is not in this package"):
+    demo.load_demo(name="large")
+  demo.export_demo(os.path.join(os.path.dirname(demo.__file__), "assets", "small"), tmp_path / "large")
+  assert demo.default_demo() == "large"

@@ -146,3 +146,16 @@ class TestErrors:
   def test_num_drafts(self):
     with pytest.raises(ValueError, match=r"num_drafts must be in 1..num_modules=3, got 4"):
       mtp_jax.generate(TARGET5, PROPOSER5, [[1]], 4, num_drafts=4)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_greedy_step_does_no_prng_work(temperature):
+  """The greedy decode step draws nothing, so it must not split keys (threefry on CPU)."""
+  k = 2
+  cfg = gen_lib._Settings(k, 8, temperature, None, None, None, None, 64, "per_position")
+  prompts = np.array([[1, 2, 3, 0]], np.int32)
+  s = gen_lib._start_jit(TARGET5, PROPOSER5, None, prompts, np.array([3], np.int32), None, jax.random.key(0), cfg)
+  jaxpr = str(jax.make_jaxpr(lambda s: gen_lib._step(TARGET5, PROPOSER5, None, s, cfg))(s))
+  prng = [p for p in ("random_bits", "threefry", "random_split", "random_fold_in") if p in jaxpr]
+  # Sampling does draw: the check is live, not vacuous.
+  assert (prng == []) == (temperature == 0), prng

@@ -62,16 +62,16 @@ class Sim:
     self.toks = [list(self.rng.integers(0, V, size=n)) for n in prompt_lens]
     self.state = mtp_jax.init_state(CFG, self.b, MAX_LEN)
 
-  def first_call(self, k):
+  def first_call(self, k, catch_up=True):
     h = np.zeros((self.b, PROMPT_T, D), np.float32)
     t = np.zeros((self.b, PROMPT_T), np.int32)
     for i, (hid, toks) in enumerate(zip(self.hid, self.toks)):
       h[i, :len(toks)], t[i, :len(toks)] = hid, toks
     n = np.array([len(x) for x in self.toks], np.int32)
-    return self.call(h, t, n, k)
+    return self.call(h, t, n, k, catch_up)
 
-  def call(self, h, t, n, k):
-    drafts, self.state = mtp_jax.propose(MODEL, self.state, h, t, n, num_drafts=k)
+  def call(self, h, t, n, k, catch_up=True):
+    drafts, self.state = mtp_jax.propose(MODEL, self.state, h, t, n, num_drafts=k, catch_up=catch_up)
     return np.asarray(drafts)
 
   def verify(self, drafts, accepted):
@@ -100,17 +100,20 @@ class Sim:
 def test_drafts_equal_full_recompute_over_random_histories(data):
   prompt_lens = data.draw(st.lists(st.integers(1, PROMPT_T), min_size=3, max_size=3), label="prompts")
   sim = Sim(prompt_lens, seed=data.draw(st.integers(0, 2**16), label="seed"))
+  # catch_up=False: only the drafting modules run, so k may only stay or shrink (num_live).
+  catch_up = data.draw(st.booleans(), label="catch_up")
   k = data.draw(st.integers(1, K), label="k0")
-  drafts = sim.first_call(k)
+  drafts = sim.first_call(k, catch_up)
   sim.check(drafts, k)
   for _ in range(data.draw(st.integers(1, 5), label="steps")):
     accepted = [data.draw(st.integers(0, k), label="a") for _ in range(sim.b)]
     if max(len(t) for t in sim.toks) + k + 1 >= MAX_LEN:
       break
     h, t, n = sim.verify(drafts, accepted)
-    k = data.draw(st.integers(1, K), label="k")
-    drafts = sim.call(h, t, n, k)
+    k = data.draw(st.integers(1, K if catch_up else sim.state.num_live), label="k")
+    drafts = sim.call(h, t, n, k, catch_up)
     sim.check(drafts, k)
+  assert sim.state.num_live == (K if catch_up else k)
 
 
 def test_long_history_with_every_accept_pattern():
@@ -177,12 +180,34 @@ def test_unsettled_drafts_count_as_rejected():
   np.testing.assert_array_equal(d_implicit, d_explicit)
 
 
+@pytest.mark.parametrize("k", [1, 2])
+def test_without_catch_up_only_the_drafting_modules_run(k):
+  state = mtp_jax.init_state(CFG, 2, 16)
+  h, t, n = jnp.zeros((2, 4, D)), jnp.zeros((2, 4), jnp.int32), jnp.array([3, 4])
+  dots = {c: str(jax.make_jaxpr(lambda s: mtp_jax.propose(MODEL, s, h, t, n, num_drafts=k, catch_up=c))(state))
+          .count("dot_general") for c in (True, False)}
+  assert dots[False] < dots[True]
+  _, s = mtp_jax.propose(MODEL, state, h, t, n, num_drafts=k, catch_up=False)
+  assert s.num_live == k
+  np.testing.assert_array_equal(s.lengths[k:], 0)  # the deeper modules were left where they were
+
+
 class TestErrors:
 
   def setup_method(self):
     self.state = mtp_jax.init_state(CFG, 2, 16)
     self.h = np.zeros((2, 4, D), np.float32)
     self.t = np.zeros((2, 4), np.int32)
+
+  def test_more_drafts_than_live_modules(self):
+    _, s = mtp_jax.propose(MODEL, self.state, self.h, self.t, np.array([2, 2]), num_drafts=2, catch_up=False)
+    s = mtp_jax.after_verify(s, np.array([1, 0], np.int32))
+    with pytest.raises(ValueError, match=r"left only modules 0..1 live \(num_live=2\)"):
+      mtp_jax.propose(MODEL, s, self.h, self.t, np.array([1, 1]), num_drafts=3, catch_up=False)
+    with pytest.raises(ValueError, match=r"num_live=2"):
+      mtp_jax.propose(MODEL, s, self.h, self.t, np.array([1, 1]), num_drafts=1)  # catch_up needs all
+    d, _ = mtp_jax.propose(MODEL, s, self.h, self.t, np.array([1, 1]), num_drafts=1, catch_up=False)
+    assert d.shape == (2, 1)
 
   def test_more_drafts_than_modules(self):
     with pytest.raises(ValueError, match=r"num_drafts must be an int in 1\.\.3, got 4"):
