@@ -12,6 +12,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import bandwidth  # noqa: E402
+import bench_mla  # noqa: E402
 import bench_propose  # noqa: E402
 import hot_path_ab  # noqa: E402
 
@@ -50,3 +51,11 @@ def test_hot_path_ab_quick(capsys):
   out = capsys.readouterr().out
   assert "| 4 | " in out.split("Weight streaming of a few-row dot")[1]
   assert "| D=64 | 2 | 1 | " in out  # the patched variants gave the library's drafts
+
+
+@pytest.mark.slow
+def test_bench_mla_quick(capsys):
+  bench_mla.main(["--quick"])
+  out = capsys.readouterr().out
+  # bytes per cached row: GQA 2 * Hkv * Dh * 4, MLA (R + Dr) * 4
+  assert "| GQA, Hkv = H (MHA) | 512 |" in out and "| MLA, absorbed (decode path) | 160 |" in out
