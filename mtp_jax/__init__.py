@@ -1,21 +1,21 @@
 """mtp_jax: multi-token-prediction (MTP) speculative decoding in JAX / Flax NNX."""
 
-from mtp_jax.blocks import KVCache
-from mtp_jax.config import BlockConfig, MtpConfig, TargetConfig
+from mtp_jax.blocks import KVCache, MlaCache
+from mtp_jax.config import BlockConfig, MlaConfig, MtpConfig, RopeScaling, TargetConfig
 from mtp_jax.mtp import MtpModel, forward_chain, init_mtp, load_state_dict, state_dict
 from mtp_jax.proposer import ProposerState, after_verify, checked, init_state, propose, reset_slots
 from mtp_jax.target import (TargetModel, TargetState, init_target, init_target_state, load_target_state_dict,
                             target_state_dict, target_step)
 from mtp_jax.verify import verify_greedy, verify_relaxed, verify_sampling
 from mtp_jax.generate import GenerateOutput, generate
-from mtp_jax import checkpoint, data, grammar, layouts, sharding, train  # submodules, as namespaces
+from mtp_jax import blocks, checkpoint, data, grammar, layouts, sharding, train  # submodules, as namespaces
 from mtp_jax.demo import load_demo
 
 __all__ = [
-    "BlockConfig", "MtpConfig", "TargetConfig", "KVCache", "MtpModel", "forward_chain", "init_mtp",
+    "BlockConfig", "MlaConfig", "MtpConfig", "RopeScaling", "TargetConfig", "KVCache", "MlaCache", "MtpModel", "forward_chain", "init_mtp",
     "load_state_dict", "state_dict", "ProposerState", "after_verify", "checked", "init_state",
     "propose", "reset_slots", "TargetModel", "TargetState", "init_target", "init_target_state",
     "load_target_state_dict", "target_state_dict", "target_step", "verify_greedy", "verify_relaxed",
-    "verify_sampling", "GenerateOutput", "generate", "checkpoint", "data", "grammar", "layouts",
+    "verify_sampling", "GenerateOutput", "generate", "blocks", "checkpoint", "data", "grammar", "layouts",
     "sharding", "train", "load_demo",
 ]

@@ -193,7 +193,8 @@ class BlockConfig:
     if self.sliding_window is not None:
       _check_positive(type(self).__name__, sliding_window=self.sliding_window)
     if self.mla is not None:
-      unsupported = [n for n in ("qk_norm", "attention_gate", "attention_out_bias") if getattr(self, n)]
+      unsupported = [n for n in ("qk_norm", "attention_gate", "attention_out_bias", "attention_sinks")
+                     if getattr(self, n)]
       if self.partial_rotary_factor != 1.0:
         unsupported.append("partial_rotary_factor")
       if unsupported:

@@ -20,7 +20,6 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
-from mtp_jax.blocks import KVCache
 from mtp_jax.mtp import MtpModel
 from mtp_jax.proposer import ProposerState
 from mtp_jax.target import TargetModel, TargetState
@@ -64,6 +63,8 @@ def param_specs(model: MtpModel | TargetModel, mesh: Mesh):
     q_proj weight [H*Dh, D], bias [H*Dh]: by query heads (axis 0);
     k_proj / v_proj weight [Hkv*Dh, D], bias [Hkv*Dh]: by KV heads (axis 0);
     o_proj weight [D, H*Dh]: by its input columns (axis 1);
+    MLA q_b_proj [H*(Dn+Dr), Rq], kv_b_proj [H*(Dn+Dv), R]: by heads (axis 0); q_a_proj,
+      kv_a_proj_with_mqa and the latent cache are replicated (every head reads them);
     mlp gate_proj / up_proj [F, D]: by F (axis 0); down_proj [D, F]: by F (axis 1).
   Norms, eh_proj, the embedding and lm_head are replicated.
   """
@@ -73,7 +74,7 @@ def param_specs(model: MtpModel | TargetModel, mesh: Mesh):
   cfg = model.cfg
   rules = {  # layer name -> (split axis of its weight, count that must divide by the model axis)
       "q_proj": (0, cfg.num_heads), "k_proj": (0, cfg.num_kv_heads), "v_proj": (0, cfg.num_kv_heads),
-      "o_proj": (1, cfg.num_heads), "gate_proj": (0, cfg.intermediate_size),
+      "q_b_proj": (0, cfg.num_heads), "kv_b_proj": (0, cfg.num_heads), "o_proj": (1, cfg.num_heads), "gate_proj": (0, cfg.intermediate_size),
       "up_proj": (0, cfg.intermediate_size), "down_proj": (1, cfg.intermediate_size)}
 
   def spec(path, x):
@@ -91,8 +92,8 @@ def param_specs(model: MtpModel | TargetModel, mesh: Mesh):
 def state_specs(state: ProposerState | TargetState, mesh: Mesh):
   """PartitionSpecs for a ProposerState or TargetState, as a pytree of the same kind.
 
-  Batch B on "data" (replicated if B % data != 0). KV caches dtype[B, L, Hkv, Dh]: Hkv on
-  "model" when Hkv % model == 0. Proposer: tail dtype[B, K, D], draft_probs float32[B, K, V]
+  Batch B on "data" (replicated if B % data != 0). Caches as their `partition_specs` say: GQA
+  dtype[B, L, Hkv, Dh] with Hkv on "model" when Hkv % model == 0, MLA latents replicated on "model". Proposer: tail dtype[B, K, D], draft_probs float32[B, K, V]
   by batch; lengths int32[K, B] on axis 1; num_pos, num_drafted int32[B]. Target: length int32[B].
   """
   data_size, m = _axis_sizes(mesh)
@@ -104,9 +105,8 @@ def state_specs(state: ProposerState | TargetState, mesh: Mesh):
     raise TypeError(f"state must be a ProposerState or TargetState, got {type(state).__name__}")
   b = DATA if batch % data_size == 0 else None
 
-  def kv(cache: KVCache) -> KVCache:
-    spec = P(b, None, MODEL if cache.k.shape[2] % m == 0 else None, None)
-    return KVCache(spec, spec)
+  def kv(cache):
+    return cache.partition_specs(b, MODEL, m)
 
   if isinstance(state, TargetState):
     return state.set(kv=tuple(kv(c) for c in state.kv), length=P(b))

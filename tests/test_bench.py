@@ -13,6 +13,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import bandwidth  # noqa: E402
+import bench_mla  # noqa: E402
 import bench_propose  # noqa: E402
 import hot_path_ab  # noqa: E402
 import scaling  # noqa: E402
@@ -82,3 +83,11 @@ def test_vs_transformers_quick(capsys):
   out = capsys.readouterr().out
   assert "| speculative, k=1 (use_mtp=True) | " in out
   assert "mtp_jax plain == transformers plain" in out  # the same model on both sides
+
+
+@pytest.mark.slow
+def test_bench_mla_quick(capsys):
+  bench_mla.main(["--quick"])
+  out = capsys.readouterr().out
+  # bytes per cached row: GQA 2 * Hkv * Dh * 4, MLA (R + Dr) * 4
+  assert "| GQA, Hkv = H (MHA) | 512 |" in out and "| MLA, absorbed (decode path) | 160 |" in out

@@ -5,6 +5,8 @@ cache-free prefill and a ragged cached run (chunks of T > 1 and single-row decod
 against the torch full-sequence forward.
 """
 
+import dataclasses
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -12,18 +14,18 @@ import torch
 from flax import nnx
 
 from block_refs import B, T, copy_into, full_rows, randomize, run_cached, torch_mask
-from mtp_jax.blocks import Attention, RMSNorm, init_cache
+from mtp_jax.blocks import Attention, MlaAttention, RMSNorm, init_cache
 from mtp_jax.blocks.rope import inv_frequencies
-from mtp_jax.config import BlockConfig, RopeScaling
+from mtp_jax.config import BlockConfig, MlaConfig, RopeScaling
 
 D, H, DH = 32, 4, 8
 ATOL = 2e-5
 
 
-def _check(ours_cfg, attn_torch, rotary, window=None):
-  """Compares Attention(ours_cfg) with attn_torch (weights copied) on prefill and cached runs."""
+def _check(ours_cfg, attn_torch, rotary, window=None, cls=Attention, prefill_kwargs=({},)):
+  """Compares cls(ours_cfg) with attn_torch (weights copied) on prefill and cached runs."""
   randomize(attn_torch)
-  attn = Attention(ours_cfg, rngs=nnx.Rngs(0))
+  attn = cls(ours_cfg, rngs=nnx.Rngs(0))
   copy_into(attn, attn_torch)
   x = np.random.default_rng(1).standard_normal((B, T, D)).astype(np.float32)
   with torch.no_grad():
@@ -32,8 +34,9 @@ def _check(ours_cfg, attn_torch, rotary, window=None):
     want = attn_torch(xt, position_embeddings=rotary(xt, pos),
                       attention_mask=torch_mask(T, window))[0].numpy()
   rows, valid = full_rows(B, T)
-  got, _ = attn(jnp.asarray(x), rows, valid, None)
-  np.testing.assert_allclose(np.asarray(got), want, atol=ATOL, rtol=1e-4)
+  for kwargs in prefill_kwargs:
+    got, _ = attn(jnp.asarray(x), rows, valid, None, **kwargs)
+    np.testing.assert_allclose(np.asarray(got), want, atol=ATOL, rtol=1e-4, err_msg=str(kwargs))
   cached = run_cached(lambda x, r, v, c: attn(x, r, v, c), init_cache(ours_cfg, B, T + 2), x)
   np.testing.assert_allclose(cached, want, atol=ATOL, rtol=1e-4)
 
@@ -79,6 +82,26 @@ def test_mimo_v2_flash_sliding_window_sinks():
          window=window)
 
 
+@pytest.mark.parametrize("q_lora_rank, bias, interleave", [(16, False, True), (None, True, False)])
+def test_deepseek_v3_mla_yarn(q_lora_rank, bias, interleave):
+  from transformers.models.deepseek_v3 import modeling_deepseek_v3 as m
+  yarn = dict(factor=4.0, original_max_position_embeddings=16, mscale=1.0, mscale_all_dim=1.0)
+  mla = MlaConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6,
+                  q_lora_rank=q_lora_rank)
+  cfg = m.DeepseekV3Config(hidden_size=D, num_attention_heads=H, num_key_value_heads=H,
+                           max_position_embeddings=64, attention_bias=bias, rope_interleave=interleave,
+                           rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, **yarn),
+                           **{f.name: getattr(mla, f.name) for f in dataclasses.fields(mla)})
+  cfg._attn_implementation = "eager"
+  ours = BlockConfig(hidden_size=D, num_heads=H, num_kv_heads=H, head_dim=4, intermediate_size=8,
+                     attention_bias=bias, rope_interleave=interleave, mla=mla,
+                     rope_scaling=RopeScaling(**yarn))
+  # Both forms on the prefill; the cached run decodes absorbed (T <= 3 here).
+  _check(ours, m.DeepseekV3Attention(cfg, 0), m.DeepseekV3RotaryEmbedding(cfg), cls=MlaAttention,
+         prefill_kwargs=({"absorb": False}, {"absorb": True}))
+  assert MlaAttention(ours, rngs=nnx.Rngs(0)).absorbs(3)
+
+
 def test_zero_centred_rmsnorm_matches_qwen3_next():
   from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextRMSNorm
   ref = Qwen3NextRMSNorm(DH, eps=1e-6)
@@ -120,3 +143,21 @@ def test_unsupported_settings_fail_at_config_time():
     BlockConfig(**base, partial_rotary_factor=0.2)
   with pytest.raises(ValueError, match="sliding_window"):
     BlockConfig(**base, sliding_window=0)
+
+
+def test_mla_config_and_weights_round_trip_through_a_checkpoint(tmp_path):
+  import mtp_jax
+  cfg = mtp_jax.MtpConfig(hidden_size=D, num_heads=H, num_kv_heads=H, head_dim=4, intermediate_size=8,
+                          vocab_size=11, num_modules=1, rope_interleave=True,
+                          mla=MlaConfig(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4,
+                                        q_lora_rank=6),
+                          rope_scaling=RopeScaling(factor=2.0, original_max_position_embeddings=8))
+  model = mtp_jax.init_mtp(cfg, seed=1)
+  tensors = {k: np.asarray(v) for k, v in mtp_jax.state_dict(model).items()}
+  assert "mtp.0.self_attn.kv_a_proj_with_mqa.weight" in tensors and "mtp.0.self_attn.q_proj.weight" not in tensors
+  mtp_jax.layouts.save_canonical(tmp_path, cfg, tensors)
+  cfg2, tensors2 = mtp_jax.layouts.read_mtp_checkpoint(tmp_path)
+  assert cfg2 == cfg
+  loaded = mtp_jax.state_dict(mtp_jax.load_state_dict(cfg2, tensors2))
+  for name, value in tensors.items():
+    np.testing.assert_array_equal(np.asarray(loaded[name]), value)

@@ -19,12 +19,10 @@ MODEL = mtp_jax.init_mtp(CFG, seed=3)
 NEAR_TIE = 1e-4
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _ref_logits(num_modules, hiddens_BxTxD, tokens_BxU):
-  return mtp_jax.forward_chain(MODEL, hiddens_BxTxD, tokens_BxU, num_modules)
+_ref_logits = jax.jit(mtp_jax.forward_chain, static_argnums=3)
 
 
-def reference_drafts(hid_PxD, toks, k):
+def reference_drafts(hid_PxD, toks, k, model=MODEL):
   """Full recompute of the chain (no cache) over one verified sequence.
 
   hid_PxD: the target hiddens at positions 0..P; toks: verified t_1..t_{P+1}. Returns the k drafts
@@ -38,7 +36,7 @@ def reference_drafts(hid_PxD, toks, k):
     ext = np.zeros((1, MAX_LEN + K - 1), np.int32)
     seq = list(toks) + drafts
     ext[0, :len(seq)] = seq
-    logits = np.asarray(_ref_logits(K, jnp.asarray(h), jnp.asarray(ext)))[m - 1, 0, p]
+    logits = np.asarray(_ref_logits(model, jnp.asarray(h), jnp.asarray(ext), K))[m - 1, 0, p]
     top2 = np.sort(logits)[-2:]
     drafts.append(int(np.argmax(logits)))
     gaps.append(float(top2[1] - top2[0]))
@@ -55,12 +53,13 @@ def assert_drafts_match(got, want, gaps):
 class Sim:
   """Drives propose / after_verify over a ragged batch and keeps each sequence's verified history."""
 
-  def __init__(self, prompt_lens, seed, batch_size=None):
+  def __init__(self, prompt_lens, seed, batch_size=None, model=MODEL):
+    self.model = model
     self.rng = np.random.default_rng(seed)
     self.b = batch_size or len(prompt_lens)
     self.hid = [self.rng.normal(size=(n, D)).astype(np.float32) for n in prompt_lens]
     self.toks = [list(self.rng.integers(0, V, size=n)) for n in prompt_lens]
-    self.state = mtp_jax.init_state(CFG, self.b, MAX_LEN)
+    self.state = mtp_jax.init_state(model.cfg, self.b, MAX_LEN)
 
   def first_call(self, k, catch_up=True):
     h = np.zeros((self.b, PROMPT_T, D), np.float32)
@@ -71,7 +70,7 @@ class Sim:
     return self.call(h, t, n, k, catch_up)
 
   def call(self, h, t, n, k, catch_up=True):
-    drafts, self.state = mtp_jax.propose(MODEL, self.state, h, t, n, num_drafts=k, catch_up=catch_up)
+    drafts, self.state = mtp_jax.propose(self.model, self.state, h, t, n, num_drafts=k, catch_up=catch_up)
     return np.asarray(drafts)
 
   def verify(self, drafts, accepted):
@@ -91,7 +90,7 @@ class Sim:
 
   def check(self, drafts, k):
     for i in range(self.b):
-      want, gaps = reference_drafts(self.hid[i], self.toks[i], k)
+      want, gaps = reference_drafts(self.hid[i], self.toks[i], k, self.model)
       assert_drafts_match(list(drafts[i]), want, gaps)
 
 
@@ -116,13 +115,13 @@ def test_drafts_equal_full_recompute_over_random_histories(data):
   assert sim.state.num_live == (K if catch_up else k)
 
 
-def test_long_history_with_every_accept_pattern():
+def test_long_history_with_every_accept_pattern(model=MODEL, repeats=2):
   """Deterministic companion to the property test: all-reject and all-accept runs, k cycling."""
-  sim = Sim([5, 1, 12], seed=7)
+  sim = Sim([5, 1, 12], seed=7, model=model)
   k, drafts = K, sim.first_call(K)
   sim.check(drafts, k)
   patterns = [[0, 0, 0], [3, 3, 3], [0, 3, 1], [2, 0, 3], [1, 1, 1], [0, 2, 0]]
-  for step, acc in enumerate(patterns * 2):
+  for step, acc in enumerate(patterns * repeats):
     acc = [min(a, k) for a in acc]
     h, t, n = sim.verify(drafts, acc)
     k = step % K + 1
@@ -312,11 +311,11 @@ def test_reset_slot_behaves_like_fresh_state():
   np.testing.assert_array_equal(np.asarray(d_reset)[[0, 2]], np.asarray(d_cont)[[0, 2]])
 
 
-def test_program_is_unrolled_and_compiles_once_per_shape():
-  state = mtp_jax.init_state(CFG, 2, 16)
+def test_program_is_unrolled_and_compiles_once_per_shape(model=MODEL):
+  state = mtp_jax.init_state(model.cfg, 2, 16)
   h = jnp.zeros((2, 4, D))
   t = jnp.zeros((2, 4), jnp.int32)
-  fn = lambda s, h, t, n: mtp_jax.propose(MODEL, s, h, t, n, num_drafts=K)
+  fn = lambda s, h, t, n: mtp_jax.propose(model, s, h, t, n, num_drafts=K)
   jaxpr = str(jax.make_jaxpr(fn)(state, h, t, jnp.array([1, 2])))
   assert "scan" not in jaxpr and "while" not in jaxpr
   traces = []
@@ -325,3 +324,18 @@ def test_program_is_unrolled_and_compiles_once_per_shape():
   _, s = step(s, h + 1, t + 1, jnp.array([3, 0]))
   _, s = step(s, h - 1, t, jnp.array([2, 4]))
   assert len(traces) == 1
+
+
+@pytest.mark.slow
+def test_mla_modules_draft_exactly_without_scans():
+  """The exactness and static-program checks above, over MTP modules with MLA attention (YaRN,
+  interleaved RoPE, latent caches, absorbed decode)."""
+  mla = mtp_jax.MlaConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+                          q_lora_rank=12)
+  cfg = mtp_jax.MtpConfig(**{**CFG.__dict__, "mla": mla, "rope_interleave": True,
+                             "rope_scaling": mtp_jax.RopeScaling(factor=4.0, original_max_position_embeddings=16,
+                                                                 mscale=1.0, mscale_all_dim=1.0)})
+  model = mtp_jax.init_mtp(cfg, seed=3)
+  assert isinstance(mtp_jax.init_state(cfg, 1, 8).kv[0], mtp_jax.blocks.MlaCache)
+  test_long_history_with_every_accept_pattern(model, repeats=1)
+  test_program_is_unrolled_and_compiles_once_per_shape(model)

@@ -92,6 +92,16 @@ def test_sharded_generate_equals_unsharded():
   assert runs["accepted"] > 0  # drafts were accepted, so the comparison covered the chain
 
 
+@pytest.mark.slow
+def test_sharded_mla_drafts_equal_single_device():
+  run = _child("mla")
+  assert run["single"] == run["sharded"]
+  assert run["params"] == {"q_a_proj": [], "q_b_proj": ["model", None], "kv_a_proj_with_mqa": [],
+                           "kv_b_proj": ["model", None], "o_proj": [None, "model"]}
+  # every head reads the whole latent: split by batch only
+  assert run["latent_by_batch_only"]
+
+
 def test_errors():
   with pytest.raises(ValueError, match=r"data \* model must equal the number of devices"):
     sharding.make_mesh(2, jax.device_count())
@@ -194,6 +204,28 @@ def _propose_child() -> dict:
   return result
 
 
+def _mla_child() -> dict:
+  sys.path.insert(0, str(ROOT / "examples"))
+  from distributed_loopback import MAX_LEN, drive
+
+  mla = mtp_jax.MlaConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=12)
+  cfg = mtp_jax.MtpConfig(vocab_size=48, hidden_size=32, num_heads=4, num_kv_heads=4, head_dim=8,
+                          intermediate_size=64, num_modules=K, mla=mla, rope_interleave=True)
+  params = mtp_jax.init_mtp(cfg, seed=5)
+  single = drive(params, mtp_jax.init_state(cfg, B, MAX_LEN), np.asarray, np.asarray)[0]
+  mesh = sharding.make_mesh(2, 2)
+  sparams = sharding.shard_params(params, mesh)
+  state = sharding.shard_state(mtp_jax.init_state(cfg, B, MAX_LEN), mesh)
+  drafts, out = drive(sparams, state, lambda x: sharding.shard_batch(x, mesh), np.asarray,
+                      lambda s: sharding.shard_state(s, mesh))
+  attn = sparams.layers[0].block.self_attn
+  return {"single": single.tolist(), "sharded": drafts.tolist(),
+          "params": {n: _spec(getattr(attn, n).weight[...])
+                     for n in ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")},
+          "latent_by_batch_only": all(_laid_out_as(x, mesh, jax.sharding.PartitionSpec("data", None, None))
+                                      for x in (out.kv[0].latent, out.kv[0].k_rope))}
+
+
 def _generate_child() -> dict:
   common = dict(vocab_size=16, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64)
   target = mtp_jax.init_target(mtp_jax.TargetConfig(num_layers=1, **common), 0)
@@ -207,4 +239,4 @@ def _generate_child() -> dict:
 
 
 if __name__ == "__main__":
-  print(json.dumps({"propose": _propose_child, "generate": _generate_child}[sys.argv[1]]()))
+  print(json.dumps({"propose": _propose_child, "generate": _generate_child, "mla": _mla_child}[sys.argv[1]]()))

@@ -5,23 +5,24 @@ from __future__ import annotations
 from flax import nnx
 
 from mtp_jax.blocks.attention import Attention
-from mtp_jax.blocks.cache import KVCache
+from mtp_jax.blocks.cache import KVCache, MlaCache
+from mtp_jax.blocks.mla import MlaAttention
 from mtp_jax.blocks.mlp import Mlp
 from mtp_jax.blocks.moe import Moe
 from mtp_jax.blocks.norms import RMSNorm
 from mtp_jax.config import BlockConfig
 
 
-def init_cache(cfg: BlockConfig, batch_size: int, max_len: int, dtype=None) -> KVCache:
+def init_cache(cfg: BlockConfig, batch_size: int, max_len: int, dtype=None) -> KVCache | MlaCache:
   """An empty cache of the kind cfg's attention uses, for batch_size sequences of max_len rows.
 
   dtype: cache dtype (default cfg.dtype).
   """
-  return KVCache.zeros(cfg, batch_size, max_len, dtype)
+  return (KVCache if cfg.mla is None else MlaCache).zeros(cfg, batch_size, max_len, dtype)
 
 
 class Block(nnx.Module):
-  """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.)).
+  """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.)); attn is GQA or MLA per cfg.
 
   mlp is the dense `Mlp`, or a `Moe` when cfg.moe is set, except in target layers with
   layer_idx < cfg.moe.first_k_dense_replace. MTP modules pass no layer_idx: always MoE.
@@ -31,7 +32,7 @@ class Block(nnx.Module):
     dt = cfg.jnp_dtype
     norm = lambda: RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dt, unit_offset=cfg.norm_unit_offset)
     self.input_layernorm = norm()
-    self.self_attn = Attention(cfg, rngs=rngs)
+    self.self_attn = Attention(cfg, rngs=rngs) if cfg.mla is None else MlaAttention(cfg, rngs=rngs)
     self.post_attention_layernorm = norm()
     dense = cfg.moe is None or (layer_idx is not None and layer_idx < cfg.moe.first_k_dense_replace)
     self.mlp = Mlp(cfg, rngs=rngs) if dense else Moe(cfg, rngs=rngs)

@@ -22,6 +22,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from mtp_jax.config import BlockConfig
 
@@ -73,3 +74,39 @@ class KVCache:
     new = KVCache(write_rows(self.k, rows_BxT, valid_BxT, k_BxTxKxDh),
                   write_rows(self.v, rows_BxT, valid_BxT, v_BxTxKxDh))
     return new, (new.k, new.v), all_rows(self.k.shape[0], self.max_len)
+
+  def partition_specs(self, batch_axis, model_axis, model_size: int) -> "KVCache":
+    """PartitionSpecs: B on batch_axis, Hkv on model_axis when it divides by model_size."""
+    spec = P(batch_axis, None, model_axis if self.k.shape[2] % model_size == 0 else None, None)
+    return KVCache(spec, spec)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class MlaCache:
+  """One MLA layer's cache, row j at index j: the compressed latent dtype[B, L, R] (after
+  kv_a_layernorm) and the rope key dtype[B, L, Dr] that all heads share (see mla.py)."""
+
+  latent: jax.Array
+  k_rope: jax.Array
+
+  @classmethod
+  def zeros(cls, cfg: BlockConfig, batch_size: int, max_len: int, dtype=None) -> "MlaCache":
+    dtype = dtype or cfg.jnp_dtype
+    return cls(jnp.zeros((batch_size, max_len, cfg.mla.kv_lora_rank), dtype),
+               jnp.zeros((batch_size, max_len, cfg.mla.qk_rope_head_dim), dtype))
+
+  @property
+  def max_len(self) -> int:
+    return self.latent.shape[1]
+
+  def update(self, rows_BxT, valid_BxT, latent_BxTxR, k_rope_BxTxDr):
+    """Writes dtype[B, T, R], dtype[B, T, Dr]; returns (new MlaCache, (latent, k_rope) of all L rows, int32[B, L])."""
+    new = MlaCache(write_rows(self.latent, rows_BxT, valid_BxT, latent_BxTxR),
+                   write_rows(self.k_rope, rows_BxT, valid_BxT, k_rope_BxTxDr))
+    return new, (new.latent, new.k_rope), all_rows(self.latent.shape[0], self.max_len)
+
+  def partition_specs(self, batch_axis, model_axis, model_size: int) -> "MlaCache":
+    """PartitionSpecs: B on batch_axis; every head reads the whole latent, so no model split."""
+    del model_axis, model_size
+    return MlaCache(P(batch_axis, None, None), P(batch_axis, None, None))

@@ -1,0 +1,103 @@
+"""Multi-head latent attention (DeepSeek-V2/V3, LongCat) over a latent cache (`MlaCache`).
+
+Per row the cache holds the compressed latent c = kv_a_layernorm(.) dtype[R] and one rope key
+shared by all heads dtype[Dr]; kv_b_proj expands c into per-head keys (Dn) and values (Dv).
+
+Two equal forms (tests/test_blocks.py checks they agree):
+  expanded: k = [W_uk c | k_rope], v = W_uv c for every key, then ordinary attention;
+  absorbed: W_uk folds into the query (q_lat = q_nope W_uk, scores q_lat . c + q_rope . k_rope)
+    and W_uv into the output (out = (probs @ c) W_uv), so keys are never expanded and a step
+    reads only the R + Dr numbers per cached row. DeepSeek's inference code decodes this way.
+A call takes the form with fewer flops for its T rows (absorbed for decode and short chunks).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax.blocks import cache as cache_lib
+from mtp_jax.blocks.attention import attention_probs, readable_rows
+from mtp_jax.blocks.linear import Linear
+from mtp_jax.blocks.norms import RMSNorm
+from mtp_jax.blocks.rope import apply_rope, inv_frequencies, yarn_mscale
+from mtp_jax.config import BlockConfig
+
+_LORA_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: DeepSeek-V3 leaves them at the default eps
+
+
+class MlaAttention(nnx.Module):
+  """MLA with RoPE on the last qk_rope_head_dim dims of each head; caches `MlaCache` rows."""
+
+  def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs):
+    m, d, h, dt = cfg.mla, cfg.hidden_size, cfg.num_heads, cfg.jnp_dtype
+    dq = m.qk_nope_head_dim + m.qk_rope_head_dim
+    lin = lambda i, o, bias=False: Linear(i, o, bias=bias, dtype=dt, rngs=rngs)
+    if m.q_lora_rank is None:
+      self.q_proj = lin(d, h * dq)
+      self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+    else:
+      self.q_proj = None
+      self.q_a_proj = lin(d, m.q_lora_rank, cfg.attention_bias)
+      self.q_a_layernorm = RMSNorm(m.q_lora_rank, eps=_LORA_NORM_EPS, dtype=dt)
+      self.q_b_proj = lin(m.q_lora_rank, h * dq)
+    self.kv_a_proj_with_mqa = lin(d, m.kv_lora_rank + m.qk_rope_head_dim, cfg.attention_bias)
+    self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, eps=_LORA_NORM_EPS, dtype=dt)
+    self.kv_b_proj = lin(m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim))
+    self.o_proj = lin(h * m.v_head_dim, d, cfg.attention_bias)
+    self.num_heads, self.mla, self.window = h, m, cfg.sliding_window
+    inv_freq, self.rope_factor = inv_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
+    self.inv_freq, self.interleave = tuple(inv_freq.tolist()), cfg.rope_interleave
+    scale = dq**-0.5
+    if cfg.rope_scaling is not None and cfg.rope_scaling.mscale_all_dim:
+      # DeepSeek-V3: YaRN's magnitude correction enters the softmax scale squared.
+      scale *= yarn_mscale(cfg.rope_scaling.scale, cfg.rope_scaling.mscale_all_dim) ** 2
+    self.scale = scale
+
+  def absorbs(self, t: int) -> bool:
+    """Whether T query rows take the absorbed form: fewer flops when T < R (Dn + Dv) / (2R - Dn - Dv)."""
+    m = self.mla
+    r, dnv = m.kv_lora_rank, m.qk_nope_head_dim + m.v_head_dim
+    return 2 * r <= dnv or t * (2 * r - dnv) < r * dnv
+
+  def __call__(self, x_BxTxD, rows_BxT, valid_BxT, cache: cache_lib.MlaCache | None, rope_offset: int = 0,
+               *, absorb: bool | None = None):
+    """As `Attention.__call__`; absorb picks the form (default by `absorbs(T)`)."""
+    b, t, _ = x_BxTxD.shape
+    m, h = self.mla, self.num_heads
+    rope = lambda a: apply_rope(a, rows_BxT + rope_offset, self.inv_freq, interleave=self.interleave,
+                                attention_factor=self.rope_factor)
+    if self.q_proj is not None:
+      q = self.q_proj(x_BxTxD)
+    else:
+      q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BxTxD)))
+    q = q.reshape(b, t, h, m.qk_nope_head_dim + m.qk_rope_head_dim)
+    q_nope_BxTxHxDn, q_rope_BxTxHxDr = q[..., :m.qk_nope_head_dim], rope(q[..., m.qk_nope_head_dim:])
+    kv = self.kv_a_proj_with_mqa(x_BxTxD)
+    latent_BxTxR = self.kv_a_layernorm(kv[..., :m.kv_lora_rank])
+    k_rope_BxTxDr = rope(kv[..., None, m.kv_lora_rank:])[:, :, 0]
+    new_cache, (latent_BxSxR, k_rope_BxSxDr), key_rows_BxS = cache_lib.update(
+        cache, rows_BxT, valid_BxT, latent_BxTxR, k_rope_BxTxDr)
+    w_HxDnvxR = self.kv_b_proj.weight[...].reshape(h, -1, m.kv_lora_rank)
+    w_uk_HxDnxR, w_uv_HxDvxR = w_HxDnvxR[:, :m.qk_nope_head_dim], w_HxDnvxR[:, m.qk_nope_head_dim:]
+    f32 = dict(preferred_element_type=jnp.float32)
+    # The latent is MLA's value too: stale rows are selected away (see readable_rows).
+    latent_BxSxR = readable_rows(latent_BxSxR, rows_BxT, valid_BxT, key_rows_BxS).astype(q.dtype)
+    rope_scores = jnp.einsum("bthp,bsp->bhts", q_rope_BxTxHxDr, k_rope_BxSxDr.astype(q.dtype), **f32)
+    if self.absorbs(t) if absorb is None else absorb:
+      q_lat_BxTxHxR = jnp.einsum("bthn,hnr->bthr", q_nope_BxTxHxDn, w_uk_HxDnxR)
+      scores = jnp.einsum("bthr,bsr->bhts", q_lat_BxTxHxR, latent_BxSxR, **f32) + rope_scores
+      probs = self._probs(scores, rows_BxT, key_rows_BxS).astype(q.dtype)
+      out_lat_BxTxHxR = jnp.einsum("bhts,bsr->bthr", probs, latent_BxSxR)
+      out_BxTxHxDv = jnp.einsum("bthr,hvr->bthv", out_lat_BxTxHxR, w_uv_HxDvxR)
+    else:
+      k_nope_BxSxHxDn = jnp.einsum("bsr,hnr->bshn", latent_BxSxR, w_uk_HxDnxR)
+      v_BxSxHxDv = jnp.einsum("bsr,hvr->bshv", latent_BxSxR, w_uv_HxDvxR)
+      scores = jnp.einsum("bthn,bshn->bhts", q_nope_BxTxHxDn, k_nope_BxSxHxDn, **f32) + rope_scores
+      probs = self._probs(scores, rows_BxT, key_rows_BxS).astype(q.dtype)
+      out_BxTxHxDv = jnp.einsum("bhts,bshv->bthv", probs, v_BxSxHxDv)
+    return self.o_proj(out_BxTxHxDv.reshape(b, t, h * m.v_head_dim).astype(x_BxTxD.dtype)), new_cache
+
+  def _probs(self, scores_BxHxTxS, rows_BxT, key_rows_BxS):
+    probs = attention_probs(scores_BxHxTxS[:, None] * self.scale, rows_BxT, key_rows_BxS, window=self.window)
+    return probs[:, 0]
