@@ -236,3 +236,60 @@ def test_moe_tensors_without_moe_config_are_named():
   raw["model.layers.1.mlp.gate.weight"] = np.zeros((4, D), np.float32)
   with pytest.raises(NotImplementedError, match=r"mlp\.gate\.weight.*no moe"):
     layouts.to_canonical(raw, "deepseek", cfg)
+
+
+def _sharded_runs() -> dict:
+  """Child process body (4 fake CPU devices): sharded vs single-device MoE MTP chain."""
+  import json
+  from mtp_jax import mtp, sharding
+  cfg = _mtp_cfg(scoring="sigmoid", e_score_correction_bias=True, n_shared_experts=2, n_group=2, topk_group=1)
+  model = mtp.init_mtp(cfg, seed=1)
+  rng = np.random.default_rng(0)
+  inputs = {"gather": (rng.standard_normal((1, 1, D)), rng.integers(0, 32, (1, 2))),  # 1 row: gather
+            "grouped": (rng.standard_normal((2, 8, D)), rng.integers(0, 32, (2, 9)))}  # 16 rows
+  chain = jax.jit(mtp.forward_chain)
+  want = {k: chain(model, jnp.asarray(h, jnp.float32), jnp.asarray(t, jnp.int32)) for k, (h, t) in inputs.items()}
+  out = {}
+  for data, m in ((1, 4), (2, 2)):
+    mesh = sharding.make_mesh(data, m)
+    sharded = sharding.shard_params(model, mesh)
+    experts = sharded.layers[0].block.mlp.experts
+    run = {"spec": list(experts.gate_proj[...].sharding.spec),
+           "shard": list(experts.down_proj[...].addressable_shards[0].data.shape),
+           "shared_spec": list(sharded.layers[0].block.mlp.shared_experts.down_proj.weight[...].sharding.spec),
+           "router_spec": list(sharded.layers[0].block.mlp.gate.weight[...].sharding.spec)}
+    for k, (h, t) in inputs.items():
+      got = chain(sharded, jnp.asarray(h, jnp.float32), jnp.asarray(t, jnp.int32))
+      run[k] = float(jnp.max(jnp.abs(got - want[k])))
+    out[f"{data}x{m}"] = run
+  print(json.dumps(out))
+
+
+def test_experts_shard_over_model_axis():
+  import os, subprocess, sys, json
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+  r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-4000:]
+  runs = json.loads(r.stdout.strip().splitlines()[-1])
+  for mesh, m in (("1x4", 4), ("2x2", 2)):
+    run = runs[mesh]
+    assert run["spec"] == ["model", None, None]  # E = 4 experts split by expert
+    assert run["shard"] == [4 // m, 6, D]
+    assert run["shared_spec"] == [None, "model"] and run["router_spec"] == []
+    assert run["gather"] < 1e-5 and run["grouped"] < 1e-5, run
+
+
+@pytest.mark.slow
+def test_bench_moe_quick(capsys):
+  import pathlib, sys
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+  import bench_moe
+  bench_moe.main(["--quick"])  # asserts the three paths agree before timing them
+  out = capsys.readouterr().out
+  assert "| gather (chosen experts only) | 2 | " in out and "| dense (every expert) | 16 | " in out
+
+
+if __name__ == "__main__":
+  _sharded_runs()
