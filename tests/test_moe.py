@@ -238,6 +238,55 @@ def test_moe_tensors_without_moe_config_are_named():
     layouts.to_canonical(raw, "deepseek", cfg)
 
 
+def test_propose_with_moe_modules_equals_full_recompute():
+  """propose's drafts over a ragged batch equal a cache-free recompute of the chain; decode calls
+  (6 rows x top-2 <= 16 experts) take the gather path, the prompt and the recompute the grouped one."""
+  import mtp_jax
+  cfg = _mtp_cfg(num_experts=16, scoring="sigmoid", e_score_correction_bias=True, n_group=4, topk_group=2,
+                 n_shared_experts=1, routed_scaling_factor=2.5)
+  model = mtp_jax.init_mtp(cfg, seed=2)
+  rng = np.random.default_rng(0)
+  for m in model.layers:
+    m.block.mlp.gate.e_score_correction_bias[...] = jnp.asarray(rng.normal(0, 0.1, 16), jnp.float32)
+  b, k, max_len = 2, 2, 24
+  hid = [rng.standard_normal((n, D)).astype(np.float32) for n in (6, 3)]
+  toks = [list(rng.integers(0, 32, len(h))) for h in hid]
+  chain = jax.jit(mtp_jax.forward_chain)
+
+  def check(drafts):
+    for i in range(b):
+      p = len(toks[i]) - 1
+      h = np.zeros((1, max_len, D), np.float32)
+      h[0, :p + 1] = hid[i]
+      want = []
+      for m in range(k):
+        ext = np.zeros((1, max_len + cfg.num_modules - 1), np.int32)
+        ext[0, :p + 1 + m] = toks[i] + want
+        logits = np.asarray(chain(model, jnp.asarray(h), jnp.asarray(ext)))[m, 0, p]
+        want.append(int(np.argmax(logits)))
+        if want[-1] != drafts[i, m]:
+          assert np.diff(np.sort(logits)[-2:])[0] < 1e-4, (i, m, drafts[i], want)  # a float near-tie
+          break
+
+  h0, t0 = np.zeros((b, 6, D), np.float32), np.zeros((b, 6), np.int32)
+  for i in range(b):
+    h0[i, :len(toks[i])], t0[i, :len(toks[i])] = hid[i], toks[i]
+  state = mtp_jax.init_state(cfg, b, max_len)
+  drafts, state = mtp_jax.propose(model, state, h0, t0, np.array([6, 3], np.int32), num_drafts=k)
+  check(np.asarray(drafts))
+  for accepted in ([0, 2], [2, 1]):
+    state = mtp_jax.after_verify(state, np.array(accepted, np.int32))
+    h1, t1 = np.zeros((b, k + 1, D), np.float32), np.zeros((b, k + 1), np.int32)
+    for i, a in enumerate(accepted):
+      new = [int(x) for x in np.asarray(drafts)[i, :a]] + [int(rng.integers(0, 32))]
+      new_h = rng.standard_normal((a + 1, D)).astype(np.float32)
+      toks[i] += new
+      hid[i] = np.concatenate([hid[i], new_h])
+      h1[i, :a + 1], t1[i, :a + 1] = new_h, new
+    drafts, state = mtp_jax.propose(model, state, h1, t1, np.array(accepted, np.int32) + 1, num_drafts=k)
+    check(np.asarray(drafts))
+
+
 def _sharded_runs() -> dict:
   """Child process body (4 fake CPU devices): sharded vs single-device MoE MTP chain."""
   import json
