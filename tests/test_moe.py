@@ -238,6 +238,18 @@ def test_moe_tensors_without_moe_config_are_named():
     layouts.to_canonical(raw, "deepseek", cfg)
 
 
+def test_bf16_model_keeps_a_float32_router():
+  import mtp_jax
+  cfg = dataclasses.replace(_mtp_cfg(scoring="sigmoid", e_score_correction_bias=True), dtype="bfloat16")
+  tensors = {n: np.asarray(v, np.float32) for n, v in mtp_jax.state_dict(mtp_jax.init_mtp(cfg)).items()}
+  tensors["mtp.0.mlp.gate.e_score_correction_bias"] = np.float32([1e-3, 1 + 2**-20, -0.3, 7.0])
+  model = mtp_jax.load_state_dict(cfg, tensors)
+  gate = model.layers[0].block.mlp.gate
+  assert gate.weight[...].dtype == jnp.float32 and model.layers[0].block.mlp.experts.up_proj[...].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(gate.e_score_correction_bias[...]),
+                                tensors["mtp.0.mlp.gate.e_score_correction_bias"])
+
+
 def test_propose_with_moe_modules_equals_full_recompute():
   """propose's drafts over a ragged batch equal a cache-free recompute of the chain; decode calls
   (6 rows x top-2 <= 16 experts) take the gather path, the prompt and the recompute the grouped one."""
