@@ -60,8 +60,7 @@ def canonical_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
   mtp.{i}.mlp.experts.{gate,up}_proj (E, D, Fe) and .down_proj (E, Fe, D), and the shared
   expert(s) mlp.shared_experts.* or (Qwen) mlp.shared_expert.* + mlp.shared_expert_gate.weight.
   Read off the module cfg builds (no arrays allocated), so every attention / FFN option's
-  params are listed as the model holds them. With cfg.moe the routed experts are stacked:
-  mtp.{i}.mlp.experts.{gate,up}_proj (E, D, Fe) and .down_proj (E, Fe, D).
+  params are listed as the model holds them.
   """
   model = nnx.eval_shape(lambda: mtp.MtpModel(cfg, rngs=nnx.Rngs(0)))
   return {name: shape for name, (_, shape) in mtp.param_names(model, mtp.canonical_name).items()}
