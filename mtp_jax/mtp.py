@@ -79,8 +79,9 @@ def state_dict(model: MtpModel) -> dict[str, jax.Array]:
   return {canonical_name(k): v for k, v in module_state_dict(model, "").items()}
 
 
-def assign_state_dict(model: nnx.Module, names: dict[str, tuple], tensors: Mapping, dtype, what: str):
-  """Copies tensors into model params by canonical name; errors name the tensor and the expectation."""
+def assign_state_dict(model: nnx.Module, names: dict[str, tuple], tensors: Mapping, what: str):
+  """Copies tensors into model params by canonical name, each cast to its param's dtype (the
+  config's, or float32 for an MoE router); errors name the tensor and the expectation."""
   missing = [n for n in names if n not in tensors]
   if missing:
     raise KeyError(f"{what}: missing tensor(s) {missing[:5]}{' ...' if len(missing) > 5 else ''}")
@@ -94,7 +95,7 @@ def assign_state_dict(model: nnx.Module, names: dict[str, tuple], tensors: Mappi
       raise ValueError(f"{what}: tensor {name!r} has shape {value.shape}, expected {shape}")
     if not np.all(np.isfinite(value.astype(np.float32))):
       raise ValueError(f"{what}: tensor {name!r} contains NaN or inf")
-    flat[path][...] = jnp.asarray(value, dtype)
+    flat[path][...] = jnp.asarray(value, flat[path][...].dtype)
   return model
 
 
@@ -113,7 +114,7 @@ def load_state_dict(cfg: MtpConfig, tensors: Mapping) -> MtpModel:
   mtp.{i}.shared_head.norm.weight, embed_tokens.weight [V, D], lm_head.weight [V, D].
   """
   model = init_mtp(cfg)
-  return assign_state_dict(model, param_names(model, canonical_name), tensors, cfg.jnp_dtype, "load_state_dict")
+  return assign_state_dict(model, param_names(model, canonical_name), tensors, "load_state_dict")
 
 
 def forward_chain(model: MtpModel, hiddens_BxTxD: jax.Array, tokens_BxU: jax.Array,

@@ -4,11 +4,14 @@ Params and states are placed with `jax.device_put(x, NamedSharding(mesh, spec))`
 `propose`, `after_verify`, `target_step` and `generate` then run sharded because jit follows the
 shardings of its inputs. "data" splits the batch B, "model" splits attention heads and MLP
 columns (Megatron style: column-parallel q/k/v and gate/up, row-parallel o and down, so each
-block needs one all-reduce after attention and one after the MLP).
+block needs one all-reduce after attention and one after the MLP). In an MoE block "model"
+splits the stacked routed experts by expert (expert parallel); the router and shared experts
+follow the rules above.
 
 Any dimension that does not divide by its mesh axis stays replicated on that axis: k/v
-projections and KV caches when num_kv_heads % model != 0, q/o when num_heads % model != 0, the
-MLP when intermediate_size % model != 0, and a state's batch when B % data != 0. The results
+projections and KV caches when num_kv_heads % model != 0, q/o when num_heads % model != 0, an
+MLP (or shared expert) whose width does not divide, the routed experts when
+num_experts % model != 0, and a state's batch when B % data != 0. The results
 are the same either way; only memory and communication differ.
 """
 
@@ -65,8 +68,10 @@ def param_specs(model: MtpModel | TargetModel, mesh: Mesh):
     o_proj weight [D, H*Dh]: by its input columns (axis 1);
     MLA q_b_proj [H*(Dn+Dr), Rq], kv_b_proj [H*(Dn+Dv), R]: by heads (axis 0); q_a_proj,
       kv_a_proj_with_mqa and the latent cache are replicated (every head reads them);
-    mlp gate_proj / up_proj [F, D]: by F (axis 0); down_proj [D, F]: by F (axis 1).
-  Norms, eh_proj, the embedding and lm_head are replicated.
+    mlp gate_proj / up_proj [F, D]: by F (axis 0); down_proj [D, F]: by F (axis 1), and so the
+      shared experts of an MoE block by their own width;
+    mlp.experts.{gate,up,down}_proj [E, ...]: by expert (axis 0), when E divides.
+  Norms, eh_proj, routers (mlp.gate), shared_expert_gate, the embedding and lm_head are replicated.
   """
   if not isinstance(model, (MtpModel, TargetModel)):
     raise TypeError(f"model must be an MtpModel or TargetModel, got {type(model).__name__}")
@@ -74,12 +79,14 @@ def param_specs(model: MtpModel | TargetModel, mesh: Mesh):
   cfg = model.cfg
   rules = {  # layer name -> (split axis of its weight, count that must divide by the model axis)
       "q_proj": (0, cfg.num_heads), "k_proj": (0, cfg.num_kv_heads), "v_proj": (0, cfg.num_kv_heads),
-      "q_b_proj": (0, cfg.num_heads), "kv_b_proj": (0, cfg.num_heads), "o_proj": (1, cfg.num_heads), "gate_proj": (0, cfg.intermediate_size),
-      "up_proj": (0, cfg.intermediate_size), "down_proj": (1, cfg.intermediate_size)}
+      "q_b_proj": (0, cfg.num_heads), "kv_b_proj": (0, cfg.num_heads), "o_proj": (1, cfg.num_heads),
+      "gate_proj": (0, None), "up_proj": (0, None), "down_proj": (1, None),
+      "experts": (0, None)}  # None: the split dimension's own size (MLP widths, experts)
 
   def spec(path, x):
     *_, layer, leaf = _names(path)
     axis, count = rules.get(layer, (None, 1))
+    count = x.shape[axis] if axis is not None and count is None else count
     if axis is None or count % m:
       return P()
     if leaf == "bias":  # a bias is float[out]: split with the weight's output rows only

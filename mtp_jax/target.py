@@ -97,5 +97,4 @@ def load_target_state_dict(cfg: TargetConfig, tensors: Mapping) -> TargetModel:
   model.layers.{i}.post_attention_layernorm.weight, model.layers.{i}.mlp.{gate,up,down}_proj.weight,
   model.norm.weight [D], lm_head.weight [V, D]. Errors name the tensor and the expected shape."""
   model = init_target(cfg)
-  return assign_state_dict(model, param_names(model, _hf_name), tensors, cfg.jnp_dtype,
-                           "load_target_state_dict")
+  return assign_state_dict(model, param_names(model, _hf_name), tensors, "load_target_state_dict")

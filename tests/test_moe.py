@@ -236,3 +236,121 @@ def test_moe_tensors_without_moe_config_are_named():
   raw["model.layers.1.mlp.gate.weight"] = np.zeros((4, D), np.float32)
   with pytest.raises(NotImplementedError, match=r"mlp\.gate\.weight.*no moe"):
     layouts.to_canonical(raw, "deepseek", cfg)
+
+
+def test_bf16_model_keeps_a_float32_router():
+  import mtp_jax
+  cfg = dataclasses.replace(_mtp_cfg(scoring="sigmoid", e_score_correction_bias=True), dtype="bfloat16")
+  tensors = {n: np.asarray(v, np.float32) for n, v in mtp_jax.state_dict(mtp_jax.init_mtp(cfg)).items()}
+  tensors["mtp.0.mlp.gate.e_score_correction_bias"] = np.float32([1e-3, 1 + 2**-20, -0.3, 7.0])
+  model = mtp_jax.load_state_dict(cfg, tensors)
+  gate = model.layers[0].block.mlp.gate
+  assert gate.weight[...].dtype == jnp.float32 and model.layers[0].block.mlp.experts.up_proj[...].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(gate.e_score_correction_bias[...]),
+                                tensors["mtp.0.mlp.gate.e_score_correction_bias"])
+
+
+def test_propose_with_moe_modules_equals_full_recompute():
+  """propose's drafts over a ragged batch equal a cache-free recompute of the chain; decode calls
+  (6 rows x top-2 <= 16 experts) take the gather path, the prompt and the recompute the grouped one."""
+  import mtp_jax
+  cfg = _mtp_cfg(num_experts=16, scoring="sigmoid", e_score_correction_bias=True, n_group=4, topk_group=2,
+                 n_shared_experts=1, routed_scaling_factor=2.5)
+  model = mtp_jax.init_mtp(cfg, seed=2)
+  rng = np.random.default_rng(0)
+  for m in model.layers:
+    m.block.mlp.gate.e_score_correction_bias[...] = jnp.asarray(rng.normal(0, 0.1, 16), jnp.float32)
+  b, k, max_len = 2, 2, 24
+  hid = [rng.standard_normal((n, D)).astype(np.float32) for n in (6, 3)]
+  toks = [list(rng.integers(0, 32, len(h))) for h in hid]
+  chain = jax.jit(mtp_jax.forward_chain)
+
+  def check(drafts):
+    for i in range(b):
+      p = len(toks[i]) - 1
+      h = np.zeros((1, max_len, D), np.float32)
+      h[0, :p + 1] = hid[i]
+      want = []
+      for m in range(k):
+        ext = np.zeros((1, max_len + cfg.num_modules - 1), np.int32)
+        ext[0, :p + 1 + m] = toks[i] + want
+        logits = np.asarray(chain(model, jnp.asarray(h), jnp.asarray(ext)))[m, 0, p]
+        want.append(int(np.argmax(logits)))
+        if want[-1] != drafts[i, m]:
+          assert np.diff(np.sort(logits)[-2:])[0] < 1e-4, (i, m, drafts[i], want)  # a float near-tie
+          break
+
+  h0, t0 = np.zeros((b, 6, D), np.float32), np.zeros((b, 6), np.int32)
+  for i in range(b):
+    h0[i, :len(toks[i])], t0[i, :len(toks[i])] = hid[i], toks[i]
+  state = mtp_jax.init_state(cfg, b, max_len)
+  drafts, state = mtp_jax.propose(model, state, h0, t0, np.array([6, 3], np.int32), num_drafts=k)
+  check(np.asarray(drafts))
+  for accepted in ([0, 2], [2, 1]):
+    state = mtp_jax.after_verify(state, np.array(accepted, np.int32))
+    h1, t1 = np.zeros((b, k + 1, D), np.float32), np.zeros((b, k + 1), np.int32)
+    for i, a in enumerate(accepted):
+      new = [int(x) for x in np.asarray(drafts)[i, :a]] + [int(rng.integers(0, 32))]
+      new_h = rng.standard_normal((a + 1, D)).astype(np.float32)
+      toks[i] += new
+      hid[i] = np.concatenate([hid[i], new_h])
+      h1[i, :a + 1], t1[i, :a + 1] = new_h, new
+    drafts, state = mtp_jax.propose(model, state, h1, t1, np.array(accepted, np.int32) + 1, num_drafts=k)
+    check(np.asarray(drafts))
+
+
+def _sharded_runs() -> dict:
+  """Child process body (4 fake CPU devices): sharded vs single-device MoE MTP chain."""
+  import json
+  from mtp_jax import mtp, sharding
+  cfg = _mtp_cfg(scoring="sigmoid", e_score_correction_bias=True, n_shared_experts=2, n_group=2, topk_group=1)
+  model = mtp.init_mtp(cfg, seed=1)
+  rng = np.random.default_rng(0)
+  inputs = {"gather": (rng.standard_normal((1, 1, D)), rng.integers(0, 32, (1, 2))),  # 1 row: gather
+            "grouped": (rng.standard_normal((2, 8, D)), rng.integers(0, 32, (2, 9)))}  # 16 rows
+  chain = jax.jit(mtp.forward_chain)
+  want = {k: chain(model, jnp.asarray(h, jnp.float32), jnp.asarray(t, jnp.int32)) for k, (h, t) in inputs.items()}
+  out = {}
+  for data, m in ((1, 4), (2, 2)):
+    mesh = sharding.make_mesh(data, m)
+    sharded = sharding.shard_params(model, mesh)
+    experts = sharded.layers[0].block.mlp.experts
+    run = {"spec": list(experts.gate_proj[...].sharding.spec),
+           "shard": list(experts.down_proj[...].addressable_shards[0].data.shape),
+           "shared_spec": list(sharded.layers[0].block.mlp.shared_experts.down_proj.weight[...].sharding.spec),
+           "router_spec": list(sharded.layers[0].block.mlp.gate.weight[...].sharding.spec)}
+    for k, (h, t) in inputs.items():
+      got = chain(sharded, jnp.asarray(h, jnp.float32), jnp.asarray(t, jnp.int32))
+      run[k] = float(jnp.max(jnp.abs(got - want[k])))
+    out[f"{data}x{m}"] = run
+  print(json.dumps(out))
+
+
+def test_experts_shard_over_model_axis():
+  import os, subprocess, sys, json
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
+  r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-4000:]
+  runs = json.loads(r.stdout.strip().splitlines()[-1])
+  for mesh, m in (("1x4", 4), ("2x2", 2)):
+    run = runs[mesh]
+    assert run["spec"] == ["model", None, None]  # E = 4 experts split by expert
+    assert run["shard"] == [4 // m, 6, D]
+    assert run["shared_spec"] == [None, "model"] and run["router_spec"] == []
+    assert run["gather"] < 1e-5 and run["grouped"] < 1e-5, run
+
+
+@pytest.mark.slow
+def test_bench_moe_quick(capsys):
+  import pathlib, sys
+  sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+  import bench_moe
+  bench_moe.main(["--quick"])  # asserts the three paths agree before timing them
+  out = capsys.readouterr().out
+  assert "| gather (chosen experts only) | 2 | " in out and "| dense (every expert) | 16 | " in out
+
+
+if __name__ == "__main__":
+  _sharded_runs()
