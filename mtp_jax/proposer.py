@@ -36,7 +36,7 @@ from jax.experimental import checkify
 
 from mtp_jax import grammar as grammar_lib
 from mtp_jax import validate
-from mtp_jax.blocks import KVCache, init_cache
+from mtp_jax.blocks import KVCache, MlaCache, init_cache
 from mtp_jax.config import MtpConfig
 from mtp_jax.mtp import MtpModel
 from mtp_jax.sampling import sample
@@ -47,14 +47,15 @@ from mtp_jax.sampling import sample
 class ProposerState:
   """Pytree of the proposer's per-sequence state; see the module docstring for the layout.
 
-  kv: K x KVCache(k, v: dtype[B, L, Hkv, Dh]); tail: (K - 1) x dtype[B, K, D];
+  kv: K x the modules' caches (`init_cache`: KVCache k, v dtype[B, L, Hkv, Dh], or an MLA
+  layer's MlaCache latent dtype[B, L, R], k_rope dtype[B, L, Dr]); tail: (K - 1) x dtype[B, K, D];
   lengths: int32[K, B]; num_pos: int32[B]; num_drafted: int32[B];
   draft_probs: float32[B, K, V] or None; cfg: static MtpConfig;
   num_live: static int, the modules 0..num_live-1 whose rows are current (K unless a
   `propose(..., catch_up=False)` left the deeper ones behind).
   """
 
-  kv: tuple[KVCache, ...]
+  kv: tuple[KVCache | MlaCache, ...]
   tail: tuple[jax.Array, ...]
   lengths: jax.Array
   num_pos: jax.Array

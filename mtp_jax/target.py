@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax.blocks import Block, Embed, KVCache, Linear, RMSNorm, init_cache
+from mtp_jax.blocks import Block, Embed, KVCache, Linear, MlaCache, RMSNorm, init_cache
 from mtp_jax.config import TargetConfig
 from mtp_jax.mtp import assign_state_dict, param_names
 
@@ -43,9 +43,9 @@ class TargetModel(nnx.Module):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TargetState:
-  """The target's KV caches (N x KVCache, dtype[B, L, Hkv, Dh]) and rows written, int32[B]."""
+  """The target's caches (N x `init_cache`'s KVCache or MlaCache) and rows written, int32[B]."""
 
-  kv: tuple[KVCache, ...]
+  kv: tuple[KVCache | MlaCache, ...]
   length: jax.Array
 
   def set(self, **changes) -> "TargetState":
