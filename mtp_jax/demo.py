@@ -61,8 +61,10 @@ def export_demo(checkpoint_dir, out_dir, *, dtype: str = "bfloat16") -> int:
   for name in (train.TARGET_FILE, train.MTP_FILE):
     tensors = checkpoint.load_tensors(os.path.join(os.fspath(checkpoint_dir), name))
     tensors = {k: v.astype(stored) if v.dtype.kind == "f" else v for k, v in tensors.items()}
-    checkpoint.save_tensors(os.path.join(out_dir, name), tensors)
-    total += os.path.getsize(os.path.join(out_dir, name))
+    file = os.path.join(out_dir, name)
+    checkpoint.save_tensors(file, tensors)
+    os.chmod(file, 0o644)  # package data: safetensors writes owner-only files
+    total += os.path.getsize(file)
   # The config keeps the compute dtype (float32): loading casts the stored tensors to it.
   shutil.copyfile(os.path.join(os.fspath(checkpoint_dir), train.CONFIG_FILE), os.path.join(out_dir, train.CONFIG_FILE))
   return total
