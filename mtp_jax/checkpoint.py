@@ -21,6 +21,15 @@ def save_tensors(path, tensors: Mapping[str, object], *,
   safetensors.numpy.save_file(arrays, os.fspath(path), metadata=metadata)
 
 
+def read_metadata(file) -> dict[str, str]:
+  """The string metadata in a .safetensors file's header ({} when it has none)."""
+  try:
+    with safetensors.safe_open(os.fspath(file), framework="numpy") as f:
+      return dict(f.metadata() or {})
+  except safetensors.SafetensorError as e:
+    raise ValueError(f"{file} is not a valid safetensors file (corrupted or truncated?): {e}") from e
+
+
 def load_tensors(path) -> dict[str, np.ndarray]:
   """Every tensor of a checkpoint (file, directory or sharded index), by name, as stored."""
   with CheckpointReader(path) as reader:

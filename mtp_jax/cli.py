@@ -7,7 +7,7 @@ import codecs
 import dataclasses
 import sys
 
-from mtp_jax import demo, train
+from mtp_jax import demo, train, validate
 from mtp_jax.generate import generate
 
 
@@ -22,10 +22,11 @@ def _demo(args) -> int:
 
 def _generate(args) -> int:
   target, proposer, tok = demo.load_demo(args.checkpoint, name=_model_name(args))
+  num_drafts = validate.integer("--num-drafts", args.num_drafts, 0, proposer.cfg.num_modules)
   # Training windows carry no BOS, so neither does the prompt.
   prompt = tok.encode(args.prompt, bos=False)
   if not prompt:
-    raise SystemExit("--prompt must not be empty")
+    raise validate.InvalidValue("--prompt", "--prompt must not be empty")
   decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
   started = []
@@ -38,8 +39,8 @@ def _generate(args) -> int:
     sys.stdout.write(decoder.decode(bytes(t for t in new_tokens[0] if t < 256)))
     sys.stdout.flush()
 
-  out = generate(target, proposer if args.num_drafts > 0 else None, [prompt], args.max_new_tokens,
-                 num_drafts=args.num_drafts or None, temperature=args.temperature, seed=args.seed,
+  out = generate(target, proposer if num_drafts > 0 else None, [prompt], args.max_new_tokens,
+                 num_drafts=num_drafts or None, temperature=args.temperature, seed=args.seed,
                  eos_token_id=tok.eos_id, stream=stream)
   sys.stdout.write(decoder.decode(b"", final=True) + "\n")
   print(f"[{out.stats['generated_tokens']} tokens, {out.stats['target_calls']} target calls, "
@@ -64,7 +65,8 @@ def _train(args) -> int:
   target_cfg = mtp_cfg = None
   if args.resume:
     if model_given:
-      raise SystemExit(f"--resume takes the model sizes from the checkpoint; drop {sorted(model_given)}")
+      raise validate.InvalidValue("--resume", "--resume takes the model sizes from the checkpoint; "
+                                              f"drop {sorted(model_given)}")
     saved = train.read_config(args.resume)["train"] or train.TrainConfig()
     cfg = dataclasses.replace(saved, **given)
   else:
@@ -75,18 +77,18 @@ def _train(args) -> int:
     cfg = train.TrainConfig(**given)
     if cfg.recipe == "mimo":
       if args.init_from is None:
-        raise SystemExit("--recipe mimo needs --init-from CHECKPOINT")
+        raise validate.InvalidValue("--init-from", "--recipe mimo needs --init-from CHECKPOINT")
       extra = set(model_given) - {"num_modules"}
       if extra:
-        raise SystemExit("--recipe mimo keeps the checkpoint's sizes; only --num-modules may change, "
-                         f"got {sorted(extra)}")
+        raise validate.InvalidValue("--recipe", "--recipe mimo keeps the checkpoint's sizes; only --num-modules "
+                                                f"may change, got {sorted(extra)}")
       mtp_cfg = train.read_config(args.init_from)["mtp"]
       mtp_cfg = dataclasses.replace(mtp_cfg, num_modules=model_given.get("num_modules", mtp_cfg.num_modules))
     else:
       target_cfg, mtp_cfg = train.model_configs(**model_given)
   out_dir = args.out or args.resume
   result = train.train(cfg, target_cfg, mtp_cfg, out_dir=out_dir, resume_from=args.resume, init_from=args.init_from,
-                       stop_at=args.stop_at)
+                       stop_at=args.stop_at, overwrite=args.overwrite)
   last = result.history[-1] if result.history else None
   if last is not None:
     print("held-out top-1 accuracy (depth 0..K): " + " ".join(f"{a:.3f}" for a in last["accuracy"]))
@@ -124,6 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "(or, with --resume, the checkpoint's settings).")
   p.add_argument("--out", default=None, help="checkpoint directory (default: the --resume directory)")
   p.add_argument("--resume", default=None, help="continue the run saved in this checkpoint directory")
+  p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint at --out")
   p.add_argument("--init-from", default=None, help="starting checkpoint for --recipe mimo")
   p.add_argument("--stop-at", type=int, default=None,
                  help="stop after this step with a checkpoint; --resume continues the same schedule")
@@ -143,13 +146,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+  """Runs a command; a bad argument, file or checkpoint prints one line `mtp-jax: error: ...` and
+  returns 2 (argparse's own usage errors exit with 2 as well)."""
   args = build_parser().parse_args(argv)
-  if args.command == "train" and args.out is None and args.resume is None:
-    raise SystemExit("mtp-jax train: pass --out DIR (or --resume DIR)")
   try:
+    if args.command == "train" and args.out is None and args.resume is None:
+      raise validate.InvalidValue("--out", "mtp-jax train: pass --out DIR (or --resume DIR)")
     return args.func(args)
-  except (ValueError, KeyError, FileNotFoundError) as e:
-    print(f"mtp-jax {args.command}: error: {e}", file=sys.stderr)
+  except (ValueError, TypeError, KeyError, OSError) as e:
+    message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+    print("mtp-jax: error: " + " ".join(str(message).split()), file=sys.stderr)
     return 2
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from mtp_jax import checkpoint, data, train
+from mtp_jax import checkpoint, data, train, validate
 from mtp_jax.generate import generate
 from mtp_jax.mtp import MtpModel
 from mtp_jax.target import TargetModel
@@ -140,14 +140,15 @@ def run_demo(*, num_prompts: int = 8, prompt_len: int = 64, max_new_tokens: int 
   `path`). The decoders take turns (see `_interleaved`); times are medians over `repeats`
   passes, and compilation is timed apart from decoding.
   """
+  num_prompts = validate.positive_int("num_prompts", num_prompts)
+  prompt_len = validate.positive_int("prompt_len", prompt_len)
+  max_new_tokens = validate.positive_int("max_new_tokens", max_new_tokens)
+  seed = validate.integer("seed", seed, 0)
+  repeats = validate.positive_int("repeats", repeats)
   target, proposer, tok = load_demo(path, name=name)
   num_modules = proposer.cfg.num_modules
-  ks = list(range(1, num_modules + 1)) if ks is None else ks
-  bad = [k for k in ks if not 1 <= k <= num_modules]
-  if bad:
-    raise ValueError(f"ks must lie in 1..{num_modules} (the shipped modules), got {bad}")
-  if repeats < 1:
-    raise ValueError(f"repeats must be >= 1, got {repeats}")
+  ks = list(range(1, num_modules + 1)) if ks is None else [
+      validate.integer(f"ks[{i}]", k, 1, num_modules) for i, k in enumerate(ks)]
   prompts = data.heldout_prompts(num_prompts, prompt_len=prompt_len, seed=seed)
   decoders = [lambda p: generate(target, None, [p], max_new_tokens)]
   decoders += [lambda p, k=k: generate(target, proposer, [p], max_new_tokens, num_drafts=k) for k in ks]

@@ -23,13 +23,14 @@ import numpy as np
 
 from mtp_jax import grammar as grammar_lib
 from mtp_jax import proposer as prop
-from mtp_jax import sharding
+from mtp_jax import sharding, validate
 from mtp_jax.mtp import MtpModel
 from mtp_jax.sampling import sample
 from mtp_jax.target import TargetModel, TargetState, init_target_state, target_step
 from mtp_jax.verify import verify_greedy, verify_relaxed, verify_sampling
 
 PROMPT_BUCKET = 32  # prompts are padded to a multiple of this: one compile per bucket
+MIN_CAPACITY = 256  # cache rows per sequence to start with (unless fewer will do); doubled as needed
 DRAFT_MASKS = ("per_position", "first", "none")
 
 
@@ -74,7 +75,7 @@ class _Settings:
   top_p: float | None
   eos_token_id: int | None
   relaxed: tuple[int, float] | None
-  max_len: int
+  max_len: int  # cache rows per sequence now (the capacity); grown between jitted chunks
   draft_masks: str
   mesh: jax.sharding.Mesh | None = None
 
@@ -137,7 +138,7 @@ def _start(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key, cfg: _
   one = jnp.ones((b,), jnp.int32)
   s = LoopState(target=tstate, proposer=None, last=first_B, drafts=jnp.zeros((b, k), jnp.int32),
                 grammar_state=gstate_B,
-                out=jnp.zeros((b, cfg.max_new_tokens + k + 1), jnp.int32), num_out=jnp.zeros((b,), jnp.int32),
+                out=jnp.zeros((b, _out_width(cfg)), jnp.int32), num_out=jnp.zeros((b,), jnp.int32),
                 done=jnp.zeros((b,), bool), key=key, target_calls=one, verify_calls=0 * one,
                 accepted=0 * one, target_tokens=one, accepted_at=jnp.zeros((k,), jnp.int32))
   s, _ = _emit(s, first_B[:, None], one, cfg, jnp.ones((b,), bool))
@@ -203,58 +204,144 @@ def _step(target, proposer, grammar, s: LoopState, cfg: _Settings) -> LoopState:
   return s2.set(proposer=pstate, drafts=drafts)
 
 
+def _out_width(cfg: _Settings) -> int:
+  # A sequence emits at most one token per cache row past its prompt, plus a step's k + 1.
+  return min(cfg.max_new_tokens, cfg.max_len) + cfg.num_drafts + 1
+
+
+def _fits(s: LoopState, cfg: _Settings) -> jax.Array:
+  """bool[]: every unfinished sequence has room for one more step (k + 1 rows) in the caches."""
+  return jnp.all(s.done | (s.target.length + cfg.num_drafts + 1 <= cfg.max_len))
+
+
+def _run(target, proposer, grammar, s: LoopState, cfg: _Settings) -> LoopState:
+  """Steps until every sequence is done or one would outgrow the caches (then the host grows them)."""
+  return jax.lax.while_loop(lambda s: ~jnp.all(s.done) & _fits(s, cfg),
+                            lambda s: _step(target, proposer, grammar, s, cfg), s)
+
+
 @functools.partial(jax.jit, static_argnames=("cfg",))
 def _generate_on_device(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key,
                         cfg: _Settings) -> LoopState:
-  s = _start(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key, cfg)
-  return jax.lax.while_loop(lambda s: ~jnp.all(s.done), lambda s: _step(target, proposer, grammar, s, cfg), s)
+  return _run(target, proposer, grammar, _start(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key, cfg),
+              cfg)
+
+
+_run_jit = jax.jit(_run, static_argnames=("cfg",), donate_argnames=("s",))
+
+
+def _grow(s: LoopState, cfg: _Settings, full_len: int) -> tuple[LoopState, _Settings]:
+  """s with caches of twice the rows (at most full_len) and a wider output buffer; cached rows and
+  tokens are kept. Every cache array holds rows on axis 1 (see blocks/cache.py)."""
+  if cfg.max_len >= full_len:  # full_len rows hold every step (generate checks max_len against it)
+    raise RuntimeError(f"generate: caches of {cfg.max_len} rows are full; this is a bug")
+  new = dataclasses.replace(cfg, max_len=min(2 * cfg.max_len, full_len))
+
+  def pad(x, width):
+    return jnp.pad(x, [(0, 0), (0, width - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+
+  def grow_kv(kv):
+    return jax.tree.map(lambda x: pad(x, new.max_len), kv)
+
+  tstate = s.target.set(kv=grow_kv(s.target.kv))
+  pstate = None if s.proposer is None else s.proposer.set(kv=grow_kv(s.proposer.kv))
+  if cfg.mesh is not None:
+    tstate = sharding.shard_state(tstate, cfg.mesh)
+    pstate = None if pstate is None else sharding.shard_state(pstate, cfg.mesh)
+  return s.set(target=tstate, proposer=pstate, out=pad(s.out, _out_width(new))), new
 
 
 _start_jit = jax.jit(_start, static_argnames=("cfg",))
 _step_jit = jax.jit(_step, static_argnames=("cfg",), donate_argnames=("s",))
 
 
-def _validate(target, proposer, prompts, max_new_tokens, num_drafts, eos_token_id, grammar, constrained,
-              draft_masks):
-  v = target.cfg.vocab_size
-  if proposer is not None:
-    if proposer.cfg.vocab_size != v:
-      raise ValueError(f"vocab mismatch: target vocab_size={v}, proposer vocab_size={proposer.cfg.vocab_size}")
-    if proposer.cfg.hidden_size != target.cfg.hidden_size:
-      raise ValueError(f"hidden size mismatch: target hidden_size={target.cfg.hidden_size}, "
-                       f"proposer hidden_size={proposer.cfg.hidden_size}")
-    if not isinstance(num_drafts, int) or not 1 <= num_drafts <= proposer.cfg.num_modules:
-      raise ValueError(f"num_drafts must be in 1..num_modules={proposer.cfg.num_modules}, got {num_drafts!r}")
-  if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-    raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-  if not prompts:
-    raise ValueError("prompts must be a non-empty list of token lists")
+def _check_prompts(prompts, v: int) -> list[np.ndarray]:
+  """Each prompt as int64[len], checked: a non-empty sequence of non-empty int token lists in 0..V-1."""
+  if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray)):
+    raise validate.InvalidType("prompts", f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+  if len(prompts) == 0:
+    raise validate.InvalidValue("prompts", "prompts must be a non-empty list of token lists")
+  validate.integer("len(prompts)", len(prompts), 1)
+  checked = []
   for i, p in enumerate(prompts):
+    name = f"prompts[{i}]"
+    if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray)):
+      raise validate.InvalidType(name, f"{name} must be a list of token ids, got {type(p).__name__}")
     if len(p) == 0:
-      raise ValueError(f"prompts[{i}] is empty; every prompt needs at least one token")
-    bad = [x for x in p if not 0 <= int(x) < v]
-    if bad:
-      raise ValueError(f"prompts[{i}] has token id(s) {bad[:5]} outside 0..vocab_size-1={v - 1}")
-  if eos_token_id is not None and not 0 <= eos_token_id < v:
-    raise ValueError(f"eos_token_id={eos_token_id} outside 0..vocab_size-1={v - 1}")
-  if draft_masks not in DRAFT_MASKS:
-    raise ValueError(f"draft_masks must be one of {DRAFT_MASKS}, got {draft_masks!r}")
+      raise validate.InvalidValue(name, f"{name} is empty; every prompt needs at least one token")
+    arr = np.asarray(p)
+    if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_:
+      raise validate.InvalidType(name, f"{name} must be a flat list of int token ids, got {arr.dtype} "
+                                       f"values of shape {list(arr.shape)}")
+    bad = arr[(arr < 0) | (arr >= v)]
+    if bad.size:
+      raise validate.InvalidValue(
+          name, f"{name} has token id(s) {bad[:5].tolist()} outside 0..vocab_size-1={v - 1}")
+    checked.append(arr.astype(np.int64))
+  return checked
+
+
+def _validate(target, proposer, prompts, max_new_tokens, num_drafts, temperature, top_k, top_p, seed,
+              eos_token_id, max_len, relaxed, stream, grammar, constrained, draft_masks) -> dict:
+  """Every argument of `generate` checked and normalised; errors name the argument and its limits."""
+  validate.instance("target", target, TargetModel, "a TargetModel")
+  v = target.cfg.vocab_size
+  if proposer is None:
+    if num_drafts is not None:
+      raise validate.InvalidValue("num_drafts", f"num_drafts needs a proposer (plain decoding drafts nothing), "
+                                                f"got {num_drafts!r}")
+    k = 0
+  else:
+    validate.instance("proposer", proposer, MtpModel, "an MtpModel or None")
+    if proposer.cfg.vocab_size != v:
+      raise validate.InvalidValue(
+          "proposer", f"vocab mismatch: target vocab_size={v}, proposer vocab_size={proposer.cfg.vocab_size}")
+    if proposer.cfg.hidden_size != target.cfg.hidden_size:
+      raise validate.InvalidValue("proposer", f"hidden size mismatch: target hidden_size={target.cfg.hidden_size}, "
+                                              f"proposer hidden_size={proposer.cfg.hidden_size}")
+    k_max = proposer.cfg.num_modules
+    k = k_max if num_drafts is None else validate.integer("num_drafts", num_drafts, 1, k_max)
+  prompts = _check_prompts(prompts, v)
+  temperature, top_k, top_p = validate.sampling(temperature, top_k, top_p)
+  longest = max(len(p) for p in prompts)
+  max_new_tokens = validate.integer("max_new_tokens", max_new_tokens, 1, validate.INT32_MAX - longest - k - 1)
+  seed = validate.integer("seed", seed, 0, 2**32 - 1)  # jax.random.key keeps the low 32 bits
+  eos_token_id = validate.optional_int("eos_token_id", eos_token_id, 0, v - 1)
+  max_len = None if max_len is None else validate.positive_int("max_len", max_len)
+  if relaxed is not None:
+    if not isinstance(relaxed, (tuple, list)) or len(relaxed) != 2:
+      raise validate.InvalidType("relaxed", f"relaxed must be a (top_n, delta) pair, got {relaxed!r}")
+    if temperature != 0:
+      raise validate.InvalidValue("relaxed", "relaxed acceptance is a greedy option; use temperature=0")
+    relaxed = (validate.positive_int("relaxed[0]", relaxed[0], v), validate.real("relaxed[1]", relaxed[1], 0.0, 1.0))
+  if stream is not None and not callable(stream):
+    raise validate.InvalidType("stream", f"stream must be callable or None, got {type(stream).__name__}")
+  validate.one_of("draft_masks", draft_masks, DRAFT_MASKS)
+  checked = dict(prompts=prompts, k=k, temperature=temperature, top_k=top_k, top_p=top_p,
+                 max_new_tokens=max_new_tokens, seed=seed, eos_token_id=eos_token_id, max_len=max_len,
+                 relaxed=relaxed, constrained=None)
   if grammar is None:
     if constrained is not None:
-      raise ValueError("constrained needs a grammar")
-    return
-  if not isinstance(grammar, grammar_lib.Grammar):
-    raise TypeError(f"grammar must be a mtp_jax.grammar.Grammar, got {type(grammar).__name__}")
+      raise validate.InvalidValue("constrained", "constrained needs a grammar")
+    return checked
+  validate.instance("grammar", grammar, grammar_lib.Grammar, "a mtp_jax.grammar.Grammar")
   if eos_token_id is None:
-    raise ValueError("a grammar ends sequences with eos: pass eos_token_id "
-                     f"(the grammar's is {grammar.eos_token_id})")
+    raise validate.InvalidValue("eos_token_id", "a grammar ends sequences with eos: pass eos_token_id "
+                                                f"(the grammar's is {grammar.eos_token_id})")
   if eos_token_id != grammar.eos_token_id:
-    raise ValueError(f"eos_token_id={eos_token_id} differs from the grammar's eos_token_id="
-                     f"{grammar.eos_token_id}")
+    raise validate.InvalidValue("eos_token_id", f"eos_token_id={eos_token_id} differs from the grammar's "
+                                                f"eos_token_id={grammar.eos_token_id}")
   if grammar.vocab_size > v:
-    raise ValueError(f"grammar has {grammar.vocab_size} tokens, more than the target's vocab_size={v}")
-  if constrained is not None and len(constrained) != len(prompts):
-    raise ValueError(f"constrained must have one bool per prompt ({len(prompts)}), got {len(constrained)}")
+    raise validate.InvalidValue(
+        "grammar", f"grammar has {grammar.vocab_size} tokens, more than the target's vocab_size={v}")
+  if constrained is not None:
+    if isinstance(constrained, (str, bytes)) or not isinstance(constrained, (Sequence, np.ndarray)):
+      raise validate.InvalidType("constrained", f"constrained must be a list of bools, got {constrained!r}")
+    if len(constrained) != len(prompts):
+      raise validate.InvalidValue(
+          "constrained", f"constrained must have one bool per prompt ({len(prompts)}), got {len(constrained)}")
+    checked["constrained"] = [validate.flag(f"constrained[{i}]", c) for i, c in enumerate(constrained)]
+  return checked
 
 
 def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[Sequence[int]],
@@ -273,8 +360,11 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
     num_drafts: k, 1..K (default K).
     temperature / top_k / top_p / seed: sampling; temperature 0 is greedy. With temperature > 0,
       verification is lossless speculative sampling.
-    max_len: cache rows per sequence, at least the longest prompt + max_new_tokens + k + 1;
-      default the padded prompt length + max_new_tokens + k + 1.
+    max_len: fixed cache rows per sequence, at least the longest prompt + max_new_tokens + k + 1.
+      By default the caches start at the padded prompt length + max_new_tokens + k + 1 or the
+      next power of two >= MIN_CAPACITY that holds the prompt and a step, whichever is smaller,
+      and double (recompiling once per size) when a sequence is about to outgrow them: a step
+      attends over at most twice the rows the sequences have reached, whatever max_new_tokens is.
     relaxed: (top_n, delta) for LOSSY relaxed acceptance (greedy only).
     stream: called after each step with the tokens each sequence gained (runs the jitted step
       from Python; without it the whole generation is one on-device `lax.while_loop`).
@@ -298,30 +388,35 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
     mean_accepted_length (tokens per verify step: (generated - prefill tokens) / verify_calls),
     acceptance_per_position (k rates: P(draft i accepted | step)).
   """
-  k = 0 if proposer is None else (num_drafts or proposer.cfg.num_modules)
-  _validate(target, proposer, prompts, max_new_tokens, k, eos_token_id, grammar, constrained, draft_masks)
-  if relaxed is not None and temperature != 0:
-    raise ValueError("relaxed acceptance is a greedy option; use temperature=0")
+  a = _validate(target, proposer, prompts, max_new_tokens, num_drafts, temperature, top_k, top_p, seed,
+                eos_token_id, max_len, relaxed, stream, grammar, constrained, draft_masks)
+  prompts, k, max_new_tokens, max_len, constrained = (a["prompts"], a["k"], a["max_new_tokens"], a["max_len"],
+                                                      a["constrained"])
   lens = np.array([len(p) for p in prompts], np.int32)
   t = -(-int(lens.max()) // PROMPT_BUCKET) * PROMPT_BUCKET
   # Padding rows of the prompt are never written to the caches, so only real rows count.
   needed = int(lens.max()) + max_new_tokens + k + 1
   if max_len is not None and max_len < needed:
-    raise ValueError(f"prompt too long for the cache: the longest prompt ({lens.max()} tokens) "
-                     f"+ max_new_tokens ({max_new_tokens}) + k + 1 needs max_len >= {needed}, got {max_len}")
+    raise validate.InvalidValue(
+        "max_len", f"prompt too long for the cache: the longest prompt ({lens.max()} tokens) + max_new_tokens "
+                   f"({max_new_tokens}) + k + 1 needs max_len >= {needed}, got {max_len}")
   prompts_BxT = np.zeros((len(prompts), t), np.int32)
   for i, p in enumerate(prompts):
     prompts_BxT[i, :len(p)] = p
-  cfg = _Settings(k, max_new_tokens, float(temperature), top_k, top_p, eos_token_id,
-                  None if relaxed is None else (int(relaxed[0]), float(relaxed[1])),
-                  max_len or t + max_new_tokens + k + 1, draft_masks, mesh)
+  full_len = max_len or t + max_new_tokens + k + 1  # rows that always suffice
+  capacity = max_len or min(full_len, max(MIN_CAPACITY, 1 << (t + k).bit_length()))
+  cfg = _Settings(k, max_new_tokens, a["temperature"], a["top_k"], a["top_p"], a["eos_token_id"], a["relaxed"],
+                  capacity, draft_masks, mesh)
   gstate_B = None
   if grammar is not None:
     gstate_B = grammar_lib.init_grammar_state(
         len(prompts), None if constrained is None else jnp.asarray(constrained, bool))
-  key = jax.random.key(seed)
+  key = jax.random.key(a["seed"])
   if stream is None:
     s = _generate_on_device(target, proposer, grammar, prompts_BxT, lens, gstate_B, key, cfg)
+    while not np.asarray(s.done).all():
+      s, cfg = _grow(s, cfg, full_len)
+      s = _run_jit(target, proposer, grammar, s, cfg)
   else:
     s = _start_jit(target, proposer, grammar, prompts_BxT, lens, gstate_B, key, cfg)
     seen = np.zeros(len(prompts), np.int64)
@@ -331,6 +426,8 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
       seen = num_out
       if done.all():
         break
+      if not bool(_fits(s, cfg)):
+        s, cfg = _grow(s, cfg, full_len)
       s = _step_jit(target, proposer, grammar, s, cfg)
   return _output(s, k)
 

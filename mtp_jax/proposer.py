@@ -193,7 +193,7 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
   """
   hiddens, tokens, num_new, num_drafts = _check_propose_args(params, state, hiddens, tokens, num_new, num_drafts,
                                                              catch_up)
-  temperature, top_k, top_p = validate.sampling(temperature, top_k, top_p, params.cfg.vocab_size)
+  temperature, top_k, top_p = validate.sampling(temperature, top_k, top_p)
   if temperature > 0 and key is None:
     raise validate.InvalidValue("key", "key is required when temperature > 0")
   if (grammar is None) != (grammar_state is None):

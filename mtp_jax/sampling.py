@@ -5,6 +5,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mtp_jax import validate
+
 
 def filtered_probs(logits_BxV: jax.Array, *, temperature: float, top_k: int | None = None,
                    top_p: float | None = None) -> jax.Array:
@@ -15,13 +17,13 @@ def filtered_probs(logits_BxV: jax.Array, *, temperature: float, top_k: int | No
   """
   logits = logits_BxV.astype(jnp.float32)
   v = logits.shape[-1]
+  temperature, top_k, top_p = validate.sampling(temperature, top_k, top_p)
   if temperature == 0:
     return jax.nn.one_hot(jnp.argmax(logits, axis=-1), v, dtype=jnp.float32)
-  if top_k is not None and not 1 <= top_k:
-    raise ValueError(f"top_k must be >= 1, got {top_k}")
-  if top_p is not None and not 0 < top_p <= 1:
-    raise ValueError(f"top_p must be in (0, 1], got {top_p}")
-  logits = logits / temperature
+  # Shift first so the largest logit is exactly 0: a tiny temperature then sends the others to
+  # -inf (greedy in the limit) instead of overflowing them all to +-inf, whose softmax is NaN.
+  top = jnp.max(logits, axis=-1, keepdims=True)
+  logits = jnp.where(logits == top, 0.0, (logits - top) / temperature)
   neg_inf = -jnp.inf
   if top_k is not None and top_k < v:
     kth = jax.lax.top_k(logits, top_k)[0][..., -1:]

@@ -21,6 +21,7 @@ import dataclasses
 import functools
 import json
 import os
+import shutil
 import time
 from collections.abc import Iterator
 
@@ -224,6 +225,7 @@ def _initial_models(cfg, target_cfg, mtp_cfg, resume_from, init_from):
     opt_path = os.path.join(os.fspath(resume_from), OPTIMIZER_FILE)
     if not os.path.isfile(opt_path):
       raise FileNotFoundError(f"resume_from={resume_from} has no {OPTIMIZER_FILE}; it cannot be resumed")
+    check_step(opt_path, step)
     return target, mtp, opt_path, step
   if cfg.recipe == "mimo":
     if init_from is None:
@@ -254,20 +256,24 @@ def grow_modules(mtp: MtpModel, cfg: MtpConfig) -> MtpModel:
 
 def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, mtp_cfg: MtpConfig | None = None, *,
           out_dir=None, resume_from=None, init_from=None, stop_at: int | None = None,
-          progress: bool = True) -> TrainResult:
+          progress: bool = True, overwrite: bool = False) -> TrainResult:
   """Trains on `data.load_corpus("train")` windows int32[batch_size, seq_len + 1]; evaluates on held-out.
 
   target_cfg / mtp_cfg: model sizes (default `model_configs()`; taken from the checkpoint when
     resuming or with the MiMo recipe, where mtp_cfg may only change num_modules).
-  out_dir: where checkpoints go, every save_every steps and at the end (None: not saved).
+  out_dir: where checkpoints go, every save_every steps and at the end (None: not saved); checked
+    writable before training starts. An existing non-empty directory other than resume_from is
+    refused unless overwrite is set.
   resume_from: a checkpoint directory with optimizer.safetensors; training continues at its step.
   init_from: the MiMo recipe's starting checkpoint.
   stop_at: end (and save) after this step, as if interrupted; `resume_from` continues the run.
   progress: show a tqdm bar (loss, tokens/s) and print each evaluation.
   """
-  stop = cfg.steps if stop_at is None else stop_at
-  if not isinstance(stop, int) or not 1 <= stop <= cfg.steps:
-    raise ValueError(f"stop_at must be in 1..{cfg.steps} (TrainConfig.steps), got {stop_at!r}")
+  validate.instance("cfg", cfg, TrainConfig)
+  stop = cfg.steps if stop_at is None else validate.integer("stop_at", stop_at, 1, cfg.steps)
+  progress = validate.flag("progress", progress)
+  if out_dir is not None:
+    out_dir = check_out_dir(out_dir, resume_from=resume_from, overwrite=overwrite)
   target, mtp, opt_path, start = _initial_models(cfg, target_cfg, mtp_cfg, resume_from, init_from)
   model = Joint(target, mtp)
   graphdef, params, rest = nnx.split(model, _trainable(cfg.recipe), ...)
@@ -310,26 +316,107 @@ def train(cfg: TrainConfig, target_cfg: TargetConfig | None = None, mtp_cfg: Mtp
   return TrainResult(model.target, model.mtp, max(start, stop), history)
 
 
+def _fsync(path: str) -> None:
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fsync(fd)
+  finally:
+    os.close(fd)
+
+
+def _siblings(path: str) -> tuple[str, str]:
+  """(.NAME.partial, .NAME.previous) beside path: where a save is written, and where the
+  checkpoint it replaces waits until the new one is in place."""
+  parent, name = os.path.split(os.path.abspath(path))
+  return os.path.join(parent, f".{name}.partial"), os.path.join(parent, f".{name}.previous")
+
+
+def _recover(path: str) -> None:
+  """Finishes a save interrupted between its two renames: puts .NAME.previous back at path."""
+  _, previous = _siblings(path)
+  if not os.path.exists(path) and os.path.isdir(previous):
+    os.rename(previous, path)
+
+
+def _is_checkpoint_dir(path: str) -> bool:
+  """An empty directory, or one holding only checkpoint files: safe for a save to replace."""
+  return os.path.isdir(path) and set(os.listdir(path)) <= {TARGET_FILE, MTP_FILE, CONFIG_FILE, OPTIMIZER_FILE}
+
+
 def save_checkpoint(path, target: TargetModel, mtp: MtpModel, *, step: int = 0,
                     train_config: TrainConfig | None = None, opt_state=None) -> None:
-  """Writes target.safetensors, mtp.safetensors, config.json (+ optimizer.safetensors) under path."""
-  path = os.fspath(path)
-  os.makedirs(path, exist_ok=True)
-  checkpoint.save_tensors(os.path.join(path, TARGET_FILE), target_state_dict(target))
-  checkpoint.save_tensors(os.path.join(path, MTP_FILE), state_dict(mtp))
+  """Writes target.safetensors, mtp.safetensors, config.json (+ optimizer.safetensors) under path,
+  atomically: an interrupt at any point leaves path holding one complete checkpoint.
+
+  The files go to `.NAME.partial` beside path and are fsynced; an existing checkpoint at path
+  moves to `.NAME.previous`, the new directory is renamed to path, and the previous one is
+  removed (a save interrupted between the two renames is finished by the next read). Each
+  .safetensors file carries the step in its metadata, so `load_checkpoint` refuses files from
+  different steps. path must not exist, or be a directory holding only checkpoint files.
+  """
+  path = os.path.abspath(os.fspath(path))
+  step = validate.integer("step", step, 0)
+  _recover(path)
+  if os.path.exists(path) and not _is_checkpoint_dir(path):
+    raise validate.InvalidValue("path", f"{path} exists and holds files other than a checkpoint's; "
+                                        "pick a new directory")
+  partial, previous = _siblings(path)
+  for stale in (partial, previous):
+    if os.path.isdir(stale):
+      shutil.rmtree(stale)
+  os.makedirs(partial)
+  files = {TARGET_FILE: target_state_dict(target), MTP_FILE: state_dict(mtp)}
   if opt_state is not None:
-    checkpoint.save_tensors(os.path.join(path, OPTIMIZER_FILE), _flat_opt_state(opt_state),
-                            metadata={"step": str(step)})
+    files[OPTIMIZER_FILE] = _flat_opt_state(opt_state)
+  for name, tensors in files.items():
+    checkpoint.save_tensors(os.path.join(partial, name), tensors, metadata={"step": str(step)})
+    _fsync(os.path.join(partial, name))
   meta = dict(target=dataclasses.asdict(target.cfg), mtp=dataclasses.asdict(mtp.cfg), step=step,
               train=None if train_config is None else dataclasses.asdict(train_config))
-  # config.json last: a checkpoint with one is complete.
-  with open(os.path.join(path, CONFIG_FILE), "w") as f:
+  with open(os.path.join(partial, CONFIG_FILE), "w") as f:
     json.dump(meta, f, indent=2)
+    f.flush()
+    os.fsync(f.fileno())
+  _fsync(partial)
+  if os.path.exists(path):
+    os.rename(path, previous)
+  os.rename(partial, path)
+  _fsync(os.path.dirname(path))
+  if os.path.isdir(previous):
+    shutil.rmtree(previous)
+
+
+def check_out_dir(out_dir, *, resume_from=None, overwrite: bool = False) -> str:
+  """out_dir as an absolute path, checked before any training: writable, and not an existing
+  checkpoint unless it is the one being resumed or overwrite is set."""
+  path = os.path.abspath(os.fspath(out_dir))
+  overwrite = validate.flag("overwrite", overwrite)
+  _recover(path)
+  resuming = resume_from is not None and os.path.abspath(os.fspath(resume_from)) == path
+  if os.path.exists(path):
+    if not os.path.isdir(path):
+      raise validate.InvalidValue("out_dir", f"out_dir={path} is a file, not a directory")
+    if os.listdir(path) and not resuming:
+      if not overwrite:
+        raise validate.InvalidValue("out_dir", f"out_dir={path} already exists and is not empty; pass "
+                                               "overwrite=True (--overwrite) to replace it, or resume from it")
+      if not _is_checkpoint_dir(path):
+        raise validate.InvalidValue("out_dir", f"out_dir={path} holds files other than a checkpoint's; "
+                                               "overwrite replaces only checkpoints")
+  partial, _ = _siblings(path)
+  try:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.makedirs(partial, exist_ok=True)
+    os.rmdir(partial)
+  except OSError as e:
+    raise validate.InvalidValue("out_dir", f"out_dir={path} is not writable: {e}") from e
+  return path
 
 
 def read_config(path) -> dict:
   """config.json of a checkpoint: {"target": TargetConfig, "mtp": MtpConfig, "step": int,
   "train": TrainConfig or None}."""
+  _recover(os.fspath(path))
   file = os.path.join(os.fspath(path), CONFIG_FILE)
   if not os.path.isfile(file):
     raise FileNotFoundError(f"{path} is not a checkpoint directory: no {CONFIG_FILE}")
@@ -367,9 +454,21 @@ def load_checkpoint(path) -> tuple[TargetModel, MtpModel]:
   """(target, mtp) from a checkpoint directory; errors name the file and the offending tensor."""
   meta = read_config(path)
   path = os.fspath(path)
-  target = load_target_state_dict(meta["target"], checkpoint.load_tensors(os.path.join(path, TARGET_FILE)))
-  mtp = load_state_dict(meta["mtp"], checkpoint.load_tensors(os.path.join(path, MTP_FILE)))
+  target_file, mtp_file = os.path.join(path, TARGET_FILE), os.path.join(path, MTP_FILE)
+  check_step(target_file, meta["step"])
+  check_step(mtp_file, meta["step"])
+  target = load_target_state_dict(meta["target"], checkpoint.load_tensors(target_file))
+  mtp = load_state_dict(meta["mtp"], checkpoint.load_tensors(mtp_file))
   return target, mtp
+
+
+def check_step(file: str, step: int) -> None:
+  """Refuses a checkpoint file written at another step than config.json says (files of two saves).
+  Files from before steps were stored (no "step" metadata) are taken as they are."""
+  saved = checkpoint.read_metadata(file).get("step")
+  if saved is not None and saved != str(step):
+    raise validate.InvalidValue(os.path.basename(file), f"{file} was saved at step {saved} but config.json "
+                                                        f"says step {step}: the checkpoint mixes two saves")
 
 
 def _flat_opt_state(opt_state) -> dict[str, np.ndarray]:

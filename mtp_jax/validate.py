@@ -160,10 +160,11 @@ def array(name: str, x, shape: tuple, *, kind: str, dims: str | None = None):
   return x
 
 
-def sampling(temperature, top_k, top_p, vocab_size: int):
-  """(temperature, top_k, top_p) checked: temperature finite >= 0, top_k in 1..V, top_p in (0, 1]."""
+def sampling(temperature, top_k, top_p):
+  """(temperature, top_k, top_p) checked: temperature finite >= 0, top_k >= 1 (>= V keeps every
+  token), top_p in (0, 1]."""
   temperature = real("temperature", temperature, 0.0)
-  top_k = None if top_k is None else positive_int("top_k", top_k, vocab_size)
+  top_k = None if top_k is None else positive_int("top_k", top_k)
   top_p = None if top_p is None else real("top_p", top_p, 0.0, 1.0, lo_open=True)
   return temperature, top_k, top_p
 

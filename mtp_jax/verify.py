@@ -9,6 +9,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from mtp_jax import validate
 from mtp_jax.sampling import filtered_probs
 
 
@@ -21,11 +22,22 @@ def _at(x_BxKx, a_B):
   return jnp.take_along_axis(x_BxKx, a_B[:, None, None], axis=1)[:, 0]
 
 
+def _check(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV=None):
+  """(B, k, V) of the arguments, their dtypes and shapes checked."""
+  logits_BxK1xV = validate.array("logits", logits_BxK1xV, (None, None, None), kind="float", dims="[B, k + 1, V]")
+  b, k1, v = logits_BxK1xV.shape
+  validate.array("drafts", drafts_BxK, (b, k1 - 1), kind="int", dims=f"[B={b}, k={k1 - 1}]")
+  if draft_probs_BxKxV is not None:
+    validate.array("draft_probs", draft_probs_BxKxV, (b, k1 - 1, v), kind="float", dims=f"[B={b}, k={k1 - 1}, V={v}]")
+  return b, k1 - 1, v
+
+
 def verify_greedy(logits_BxK1xV: jax.Array, drafts_BxK: jax.Array):
   """Accepts the longest prefix of drafts equal to the target's argmax; next token is the argmax after it.
 
   logits_BxK1xV: float32[B, k + 1, V] target logits at [last token, d_1..d_k]; drafts_BxK: int32[B, k].
   """
+  _check(logits_BxK1xV, drafts_BxK)
   greedy_BxK1 = jnp.argmax(logits_BxK1xV, axis=-1).astype(jnp.int32)
   a_B = _first_rejection(drafts_BxK == greedy_BxK1[:, :-1])
   return a_B, jnp.take_along_axis(greedy_BxK1, a_B[:, None], axis=1)[:, 0]
@@ -40,8 +52,10 @@ def verify_sampling(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV, key, *, temper
   filtered distribution, q the one the drafts were drawn from (draft_probs_BxKxV: float32[B, k, V]).
   The output is distributed exactly as sampling from p alone.
   """
+  _, k, _ = _check(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV)
+  if key is None:
+    raise validate.InvalidValue("key", "verify_sampling needs a PRNG key")
   p_BxK1xV = filtered_probs(logits_BxK1xV, temperature=temperature, top_k=top_k, top_p=top_p)
-  k = drafts_BxK.shape[1]
   p_d = jnp.take_along_axis(p_BxK1xV[:, :k], drafts_BxK[..., None], axis=-1)[..., 0]
   q_d = jnp.take_along_axis(draft_probs_BxKxV, drafts_BxK[..., None], axis=-1)[..., 0]
   key_u, key_next = jax.random.split(key)
@@ -61,8 +75,10 @@ def verify_sampling(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV, key, *, temper
 def verify_relaxed(logits_BxK1xV, drafts_BxK, *, top_n: int, delta: float):
   """LOSSY relaxed acceptance (greedy): accepts a draft that is among the target's top_n tokens and
   whose probability is within delta of the top-1's. Output may differ from the target's greedy output."""
+  _, k, v = _check(logits_BxK1xV, drafts_BxK)
+  top_n = validate.positive_int("top_n", top_n, v)
+  delta = validate.real("delta", delta, 0.0, 1.0)
   probs = jax.nn.softmax(logits_BxK1xV.astype(jnp.float32), axis=-1)
-  k = drafts_BxK.shape[1]
   top_vals, top_ids = jax.lax.top_k(probs[:, :k], top_n)
   in_top = jnp.any(top_ids == drafts_BxK[..., None], axis=-1)
   p_d = jnp.take_along_axis(probs[:, :k], drafts_BxK[..., None], axis=-1)[..., 0]

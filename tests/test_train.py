@@ -210,5 +210,5 @@ def test_train_argument_errors(trained):
     train.train(CFG, resume_from=full, init_from=full, progress=False)
   with pytest.raises(FileNotFoundError, match="no config.json"):
     train.load_checkpoint(os.path.dirname(full))
-  with pytest.raises(ValueError, match="stop_at must be in 1..4"):
+  with pytest.raises(ValueError, match=r"stop_at must be an int in 1\.\.4, got 5"):
     train.train(CFG, stop_at=5, progress=False)

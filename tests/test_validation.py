@@ -6,6 +6,8 @@ import os
 
 import jax
 import jax.numpy as jnp
+import hypothesis
+import hypothesis.strategies as st
 import numpy as np
 import pytest
 
@@ -154,8 +156,8 @@ def _propose_args(**changes):
     (dict(temperature=-1.0, key=jax.random.key(0)), ValueError, "temperature", "[0.0, inf)"),
     (dict(temperature=float("nan"), key=jax.random.key(0)), ValueError, "temperature", "nan"),
     (dict(temperature=1.0), ValueError, "key", "temperature > 0"),
-    (dict(temperature=1.0, top_k=2.5, key=jax.random.key(0)), TypeError, "top_k", f"1..{V}"),
-    (dict(temperature=1.0, top_k=V + 1, key=jax.random.key(0)), ValueError, "top_k", f"1..{V}"),
+    (dict(temperature=1.0, top_k=2.5, key=jax.random.key(0)), TypeError, "top_k", "2.5"),
+    (dict(temperature=1.0, top_k=0, key=jax.random.key(0)), ValueError, "top_k", "1..2147483647"),
     (dict(temperature=1.0, top_p=0.0, key=jax.random.key(0)), ValueError, "top_p", "(0.0, 1.0]"),
     (dict(grammar_state=np.zeros(B, np.int32)), ValueError, "grammar_state", "together"),
     (dict(checked=1), TypeError, "checked", "bool"),
@@ -216,3 +218,261 @@ def test_reset_slots_clears_nan_poisoned_slots():
     for c_fresh, c_reset, n in zip(s_fresh.kv, s_reset.kv, np.asarray(s_fresh.lengths)):
       for b in range(B):
         np.testing.assert_array_equal(np.asarray(c_reset.v)[b, :n[b]], np.asarray(c_fresh.v)[b, :n[b]])
+
+
+# --- generate and verify ------------------------------------------------------------------------
+
+TARGET = mtp_jax.init_target(TARGET_CFG, 0)
+PROMPTS = [[1, 2, 3], [4, 5]]
+
+
+@pytest.mark.parametrize("changes, error, argument, fragment", [
+    (dict(target=MTP), TypeError, "target", "TargetModel"),
+    (dict(proposer=TARGET), TypeError, "proposer", "MtpModel"),
+    (dict(prompts="abc"), TypeError, "prompts", "list of token-id lists"),
+    (dict(prompts=[]), ValueError, "prompts", "non-empty"),
+    (dict(prompts=[[1], []]), ValueError, "prompts[1]", "empty"),
+    (dict(prompts=[[1.0, 2.0]]), TypeError, "prompts[0]", "int token ids"),
+    (dict(prompts=[[True]]), TypeError, "prompts[0]", "int token ids"),
+    (dict(prompts=[[1, V]]), ValueError, "prompts[0]", f"0..vocab_size-1={V - 1}"),
+    (dict(prompts=[[2**32 + 5]]), ValueError, "prompts[0]", f"0..vocab_size-1={V - 1}"),
+    (dict(prompts=[[-1]]), ValueError, "prompts[0]", f"0..vocab_size-1={V - 1}"),
+    (dict(max_new_tokens=0), ValueError, "max_new_tokens", "1.."),
+    (dict(max_new_tokens=2**32 + 5), ValueError, "max_new_tokens", "1.."),
+    (dict(max_new_tokens=4.0), TypeError, "max_new_tokens", "4.0"),
+    (dict(num_drafts=0), ValueError, "num_drafts", "1..3"),
+    (dict(num_drafts=-1), ValueError, "num_drafts", "1..3"),
+    (dict(num_drafts=4), ValueError, "num_drafts", "1..3"),
+    (dict(proposer=None, num_drafts=2), ValueError, "num_drafts", "needs a proposer"),
+    (dict(temperature=-1.0), ValueError, "temperature", "[0.0, inf)"),
+    (dict(temperature=float("nan")), ValueError, "temperature", "nan"),
+    (dict(proposer=None, temperature=-1.0), ValueError, "temperature", "[0.0, inf)"),
+    (dict(temperature="0"), TypeError, "temperature", "'0'"),
+    (dict(temperature=1.0, top_k=2.5), TypeError, "top_k", "2.5"),
+    (dict(temperature=1.0, top_p=1.5), ValueError, "top_p", "(0.0, 1.0]"),
+    (dict(seed=2**32), ValueError, "seed", "0..4294967295"),
+    (dict(seed=-1), ValueError, "seed", "0..4294967295"),
+    (dict(seed=0.5), TypeError, "seed", "0.5"),
+    (dict(eos_token_id=V), ValueError, "eos_token_id", f"0..{V - 1}"),
+    (dict(max_len=0), ValueError, "max_len", "1.."),
+    (dict(max_len=8), ValueError, "max_len", "needs max_len >= 11"),
+    (dict(relaxed=(0, 0.1)), ValueError, "relaxed[0]", f"1..{V}"),
+    (dict(relaxed=(V + 1, 0.1)), ValueError, "relaxed[0]", f"1..{V}"),
+    (dict(relaxed=(2.5, 0.1)), TypeError, "relaxed[0]", "2.5"),
+    (dict(relaxed=(2, float("nan"))), ValueError, "relaxed[1]", "[0.0, 1.0]"),
+    (dict(relaxed=2), TypeError, "relaxed", "(top_n, delta)"),
+    (dict(relaxed=(2, 0.1), temperature=1.0), ValueError, "relaxed", "greedy"),
+    (dict(stream=1), TypeError, "stream", "callable"),
+    (dict(draft_masks="all"), ValueError, "draft_masks", "per_position"),
+    (dict(constrained=[True, True]), ValueError, "constrained", "needs a grammar"),
+])
+def test_generate_arguments(changes, error, argument, fragment):
+  args = dict(target=TARGET, proposer=MTP, prompts=PROMPTS, max_new_tokens=4)
+  args.update(changes)
+  with _raises(error, argument, fragment):
+    mtp_jax.generate(**args)
+
+
+@pytest.mark.parametrize("call, error, argument, fragment", [
+    (lambda: mtp_jax.verify_greedy(np.zeros((2, 3, 5), np.float32), np.zeros((2, 3), np.int32)),
+     ValueError, "drafts", "[B=2, k=2]"),
+    (lambda: mtp_jax.verify_greedy(np.zeros((2, 3, 5), np.int32), np.zeros((2, 2), np.int32)),
+     TypeError, "logits", "[B, k + 1, V]"),
+    (lambda: mtp_jax.verify_relaxed(np.zeros((2, 3, 5), np.float32), np.zeros((2, 2), np.int32), top_n=6,
+                                    delta=0.1), ValueError, "top_n", "1..5"),
+    (lambda: mtp_jax.verify_relaxed(np.zeros((2, 3, 5), np.float32), np.zeros((2, 2), np.int32), top_n=2,
+                                    delta=-0.1), ValueError, "delta", "[0.0, 1.0]"),
+    (lambda: mtp_jax.verify_sampling(np.zeros((2, 3, 5), np.float32), np.zeros((2, 2), np.int32),
+                                     np.zeros((2, 2, 4), np.float32), jax.random.key(0), temperature=1.0),
+     ValueError, "draft_probs", "[B=2, k=2, V=5]"),
+    (lambda: mtp_jax.verify_sampling(np.zeros((2, 3, 5), np.float32), np.zeros((2, 2), np.int32),
+                                     np.zeros((2, 2, 5), np.float32), jax.random.key(0), temperature=-2.0),
+     ValueError, "temperature", "[0.0, inf)"),
+])
+def test_verify_arguments(call, error, argument, fragment):
+  with _raises(error, argument, fragment):
+    call()
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1e-40])
+def test_tiny_temperature_is_greedy(temperature):
+  from mtp_jax.sampling import filtered_probs
+  logits = jnp.array([[1.0, 3.0, 2.0, -5.0]])
+  np.testing.assert_array_equal(np.asarray(filtered_probs(logits, temperature=temperature)), [[0, 1, 0, 0]])
+
+
+GOOD_AND_BAD = dict(  # the first value of each is valid; valid ones are few, so compiles repeat
+    prompts=[PROMPTS, [[1]], [], [[]], [[1.5]], [[V]], [[2**32]], "ab", [[True]]],
+    max_new_tokens=[3, 0, -1, 2**31, 2.0, None, "3"],
+    num_drafts=[None, 2, 0, 4, -1, 1.0, True],
+    temperature=[0.0, 0.7, -1.0, float("nan"), float("inf"), None, 1e-40],
+    top_k=[None, 0, 2.5, -3, "5"],
+    top_p=[None, 0.0, 1.5, float("nan")],
+    seed=[0, -1, 2**32, 0.5, None],
+    eos_token_id=[None, V, -1, 1.0],
+    relaxed=[None, (0, 0.1), (2, -1.0), "x"],
+    draft_masks=["per_position", "bogus", None],
+)
+
+
+@pytest.mark.slow
+@hypothesis.settings(max_examples=40, deadline=None, suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(st.fixed_dictionaries({name: st.sampled_from(values) for name, values in GOOD_AND_BAD.items()}))
+@hypothesis.example({name: values[0] for name, values in GOOD_AND_BAD.items()})
+@hypothesis.example({**{name: values[0] for name, values in GOOD_AND_BAD.items()}, "temperature": 0.7, "top_k": None})
+def test_generate_fuzz(args):
+  """Any mix of arguments: a ValueError / TypeError naming one of them, or a valid result."""
+  try:
+    out = mtp_jax.generate(TARGET, MTP, **args)
+  except (ValueError, TypeError) as e:
+    assert getattr(e, "argument", "").split("[")[0] in GOOD_AND_BAD, repr(e)
+    assert e.argument in str(e)
+    return
+  assert len(out.tokens) == len(args["prompts"])
+  for tokens in out.tokens:
+    assert 1 <= len(tokens) <= args["max_new_tokens"]
+    assert all(0 <= t < V for t in tokens)
+
+
+# --- checkpoints --------------------------------------------------------------------------------
+
+def _save(path, step, seed):
+  train.save_checkpoint(path, mtp_jax.init_target(TARGET_CFG, seed), mtp_jax.init_mtp(MTP_CFG, seed), step=step,
+                        opt_state={"mu": np.full(3, step, np.float32)})
+
+
+def _state(path):
+  target, mtp = train.load_checkpoint(path)
+  opt = os.path.join(path, train.OPTIMIZER_FILE)
+  train.check_step(opt, train.read_config(path)["step"])
+  return {**mtp_jax.target_state_dict(target), **mtp_jax.state_dict(mtp)}
+
+
+def test_interrupted_save_leaves_one_consistent_step(tmp_path, monkeypatch):
+  """A save interrupted after any number of file writes or renames leaves the previous step
+  (or, once the new directory is in place, the new one), never a mix; the next save cleans up."""
+  path = str(tmp_path / "ckpt")
+  _save(path, 2, seed=2)
+  old = _state(path)
+  _save(str(tmp_path / "new"), 4, seed=4)
+  new = _state(str(tmp_path / "new"))
+  real_save, real_rename = train.checkpoint.save_tensors, os.rename
+  for fail_at in range(5):  # after 0..2 of the 3 tensor files, before either rename
+    calls = []
+
+    def counting(real):
+      def call(*args, **kwargs):
+        calls.append(1)
+        if len(calls) > fail_at:
+          raise KeyboardInterrupt
+        return real(*args, **kwargs)
+      return call
+    monkeypatch.setattr(train.checkpoint, "save_tensors", counting(real_save))
+    monkeypatch.setattr(train.os, "rename", counting(real_rename))
+    with pytest.raises(KeyboardInterrupt):
+      _save(path, 4, seed=4)
+    monkeypatch.undo()
+    got = _state(path)
+    step = train.read_config(path)["step"]
+    assert step in (2, 4)
+    expected = old if step == 2 else new
+    assert got.keys() == expected.keys()
+    for name in got:
+      np.testing.assert_array_equal(np.asarray(got[name]), np.asarray(expected[name]), err_msg=name)
+    _save(path, 2, seed=2)  # a clean save over whatever is left
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "new"]
+
+
+def test_mixed_checkpoint_files_are_refused(tmp_path):
+  a, b = str(tmp_path / "a"), str(tmp_path / "b")
+  _save(a, 2, seed=0)
+  _save(b, 4, seed=0)
+  os.replace(os.path.join(b, train.MTP_FILE), os.path.join(a, train.MTP_FILE))
+  with _raises(ValueError, train.MTP_FILE, "step 4", "step 2"):
+    train.load_checkpoint(a)
+
+
+def test_old_checkpoint_without_step_metadata_loads(tmp_path):
+  path = str(tmp_path / "old")
+  _save(path, 2, seed=1)
+  for name in (train.TARGET_FILE, train.MTP_FILE):
+    file = os.path.join(path, name)
+    train.checkpoint.save_tensors(file, train.checkpoint.load_tensors(file))  # no metadata
+  assert _state(path).keys()
+
+
+def test_save_never_replaces_a_foreign_directory(tmp_path):
+  (tmp_path / "notes.txt").write_text("mine")
+  with _raises(ValueError, "path", "other than a checkpoint's"):
+    _save(str(tmp_path), 1, seed=0)
+  assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("setup, kwargs, fragment", [
+    (lambda p: p.write_text("x"), {}, "is a file"),
+    (lambda p: _save(str(p), 1, seed=0), {}, "overwrite=True (--overwrite)"),
+    (lambda p: (p.mkdir(), (p / "notes.txt").write_text("x")), dict(overwrite=True), "other than a checkpoint's"),
+])
+def test_out_dir_checks(tmp_path, setup, kwargs, fragment):
+  out = tmp_path / "out"
+  setup(out)
+  with _raises(ValueError, "out_dir", fragment):
+    train.check_out_dir(out, **kwargs)
+
+
+def test_out_dir_accepts_overwrite_resume_and_new(tmp_path):
+  out = tmp_path / "out"
+  _save(str(out), 1, seed=0)
+  assert train.check_out_dir(out, overwrite=True) == str(out)
+  assert train.check_out_dir(out, resume_from=out) == str(out)
+  assert train.check_out_dir(tmp_path / "a" / "b") == str(tmp_path / "a" / "b")
+
+
+# --- CLI ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["demo", "--small", "--num-prompts", "0"], "num_prompts must be an int in 1.."),
+    (["demo", "--small", "--num-prompts", "-2"], "num_prompts must be an int in 1.."),
+    (["demo", "--small", "--ks", "0"], "ks[0] must be an int in 1..3"),
+    (["generate", "--small", "--prompt", "x", "--temperature", "nan"], "temperature must be a finite number"),
+    (["generate", "--small", "--prompt", "x", "--num-drafts", "-1"], "--num-drafts must be an int in 0..3, got -1"),
+    (["generate", "--small", "--prompt", "", "--num-drafts", "1"], "--prompt must not be empty"),
+    (["generate", "--small", "--prompt", "x", "--max-new-tokens", "0"], "max_new_tokens must be an int in 1.."),
+    (["train", "--steps", "0", "--out", "{tmp}/run"], "TrainConfig.steps must be an int in 1.."),
+    (["train", "--out", "{tmp}/file/sub"], "is not writable"),
+    (["train", "--out", "{tmp}/ckpt"], "--overwrite"),
+    (["train", "--resume", "{tmp}/nowhere"], "no config.json"),
+])
+def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, argv, fragment):
+  from mtp_jax import cli
+  (tmp_path / "file").write_text("x")
+  _save(str(tmp_path / "ckpt"), 1, seed=0)
+  assert cli.main([a.replace("{tmp}", str(tmp_path)) for a in argv]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("mtp-jax: error: ") and err.count("\n") == 1, err
+  assert fragment in err, err
+
+
+# --- generate's caches grow with the sequences, not with max_new_tokens ------------------------
+
+@pytest.mark.slow
+@pytest.mark.parametrize("streamed", [False, True])
+def test_generate_grows_its_caches(monkeypatch, streamed):
+  from mtp_jax import generate as gen_lib
+  fixed = mtp_jax.generate(TARGET, MTP, PROMPTS, 40, num_drafts=2, max_len=80)
+  monkeypatch.setattr(gen_lib, "MIN_CAPACITY", 8)  # the caches start at 64 rows and grow to 75
+  sizes = []
+  real_grow = gen_lib._grow
+  monkeypatch.setattr(gen_lib, "_grow", lambda *a: (sizes.append(a[1].max_len), real_grow(*a))[1])
+  grown = mtp_jax.generate(TARGET, MTP, PROMPTS, 40, num_drafts=2, stream=(lambda _: None) if streamed else None)
+  assert sizes == [64]
+  assert grown.tokens == fixed.tokens
+  assert grown.stats == fixed.stats
+
+
+@pytest.mark.slow
+def test_generate_cost_does_not_follow_max_new_tokens():
+  first = mtp_jax.generate(TARGET, MTP, PROMPTS, 1).tokens
+  eos = first[0][0]
+  out = mtp_jax.generate(TARGET, MTP, PROMPTS[:1], 10**8, eos_token_id=eos)  # caches of 64 rows, not 10**8
+  assert out.tokens == [[eos]]
