@@ -207,7 +207,17 @@ def from_regex(pattern: str, vocab: Sequence[bytes | None], *, eos_token_id: int
     index = outlines_core.Index(f"(?:{pattern})\\z",
                                 outlines_core.Vocabulary(eos_token_id, ids_by_token))
   except Exception as e:  # pyo3 maps Rust errors to several exception types
-    raise ValueError(f"cannot build a grammar for pattern {pattern!r}: {e}") from e
+    # outlines-core cannot anchor a pattern that matches the empty string ("a*", "(abc)?", "").
+    # Prefixed with a NUL byte it can; an extra token id V holding just that byte leads from
+    # the index's initial state to the state after the prefix, which becomes START (final, so
+    # EOS is allowed at once).
+    sentinel = dict(ids_by_token)
+    sentinel[b"\x00"] = sentinel.get(b"\x00", []) + [len(vocab)]
+    try:
+      index = outlines_core.Index(f"\\x00(?:{pattern})\\z", outlines_core.Vocabulary(eos_token_id, sentinel))
+    except Exception:
+      raise ValueError(f"cannot build a grammar for pattern {pattern!r}: {e}") from e
+    return _from_index(index, pattern, len(vocab), eos_token_id, compact, start_token=len(vocab))
   return _from_index(index, pattern, len(vocab), eos_token_id, compact)
 
 
@@ -228,12 +238,17 @@ def from_json_schema(schema: str | dict, vocab: Sequence[bytes | None], *, eos_t
 
 
 def _from_index(index, pattern: str, vocab_size: int, eos_token_id: int,
-                compact: bool | None) -> Grammar:
-  transitions = {s: {t: d for t, d in row.items() if t != eos_token_id}
-                 for s, row in index.get_transitions().items()}
+                compact: bool | None, start_token: int | None = None) -> Grammar:
+  """start_token: a token past the vocabulary whose transition from the index's initial state
+  leads to the grammar's START (see from_regex); its edges and that initial state are dropped."""
+  raw = index.get_transitions()
+  initial = index.get_initial_state()
+  if start_token is not None:
+    initial = raw.pop(initial)[start_token]
+  transitions = {s: {t: d for t, d in row.items() if t != eos_token_id and t < vocab_size}
+                 for s, row in raw.items()}
   finals = set(index.get_final_states())
   live = _states_that_can_finish(transitions, finals)
-  initial = index.get_initial_state()
   if initial not in live:
     raise ValueError(f"pattern {pattern!r} cannot be matched by any token sequence "
                      "over this vocabulary")

@@ -1,6 +1,7 @@
 """Bad input at every public boundary: the error's type, the argument it names and the limit."""
 
 import dataclasses
+import importlib
 import json
 import os
 
@@ -458,13 +459,13 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, argv, fragment):
 @pytest.mark.slow
 @pytest.mark.parametrize("streamed", [False, True])
 def test_generate_grows_its_caches(monkeypatch, streamed):
-  from mtp_jax import generate as gen_lib
-  fixed = mtp_jax.generate(TARGET, MTP, PROMPTS, 40, num_drafts=2, max_len=80)
-  monkeypatch.setattr(gen_lib, "MIN_CAPACITY", 8)  # the caches start at 64 rows and grow to 75
+  gen_lib = importlib.import_module("mtp_jax.generate")
+  fixed = mtp_jax.generate(TARGET, MTP, PROMPTS, 80, num_drafts=2, max_len=120)
+  monkeypatch.setattr(gen_lib, "MIN_CAPACITY", 8)  # the caches start at 64 rows and grow to 115
   sizes = []
   real_grow = gen_lib._grow
   monkeypatch.setattr(gen_lib, "_grow", lambda *a: (sizes.append(a[1].max_len), real_grow(*a))[1])
-  grown = mtp_jax.generate(TARGET, MTP, PROMPTS, 40, num_drafts=2, stream=(lambda _: None) if streamed else None)
+  grown = mtp_jax.generate(TARGET, MTP, PROMPTS, 80, num_drafts=2, stream=(lambda _: None) if streamed else None)
   assert sizes == [64]
   assert grown.tokens == fixed.tokens
   assert grown.stats == fixed.stats
@@ -476,3 +477,21 @@ def test_generate_cost_does_not_follow_max_new_tokens():
   eos = first[0][0]
   out = mtp_jax.generate(TARGET, MTP, PROMPTS[:1], 10**8, eos_token_id=eos)  # caches of 64 rows, not 10**8
   assert out.tokens == [[eos]]
+
+
+# --- grammars that accept the empty string -------------------------------------------------------
+
+@pytest.mark.parametrize("pattern, text", [("a*", b"aaa"), ("[0-9]*", b"42"), (r"\s*", b" \n"), ("(abc)?", b"abc"),
+                                           ("", b"")])
+def test_grammar_accepting_the_empty_string(pattern, text):
+  from mtp_jax import grammar
+  g = grammar.from_regex(pattern, grammar.byte_vocab(), eos_token_id=257)
+  start = grammar.init_grammar_state(1)
+  assert bool(np.asarray(g.final)[grammar.START])  # EOS allowed at once
+  assert np.asarray(grammar.token_mask(g, start, 258))[0, 257]
+  state = start
+  for byte in text:
+    assert np.asarray(grammar.token_mask(g, state, 258))[0, byte], (pattern, text, byte)
+    state = grammar.advance(g, state, jnp.array([byte], jnp.int32))
+  assert bool(np.asarray(g.final)[int(state[0])])
+  assert not np.asarray(grammar.token_mask(g, start, 258))[0, ord("z")]
