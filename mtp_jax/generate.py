@@ -24,9 +24,10 @@ import numpy as np
 from mtp_jax import grammar as grammar_lib
 from mtp_jax import proposer as prop
 from mtp_jax import sharding, validate
+from mtp_jax.blocks.paged import check_paging
 from mtp_jax.mtp import MtpModel
 from mtp_jax.sampling import sample
-from mtp_jax.target import TargetModel, TargetState, init_target_state, target_step
+from mtp_jax.target import TargetModel, TargetState, init_target_state, target_step, trim_target
 from mtp_jax.verify import verify_greedy, verify_relaxed, verify_sampling
 
 PROMPT_BUCKET = 32  # prompts are padded to a multiple of this: one compile per bucket
@@ -78,6 +79,8 @@ class _Settings:
   max_len: int  # cache rows per sequence now (the capacity); grown between jitted chunks
   draft_masks: str
   mesh: jax.sharding.Mesh | None = None
+  page_size: int | None = None
+  num_pages: int | None = None
 
 
 def _emit(s: LoopState, new_BxJ, n_emit_B, cfg: _Settings, active_B) -> tuple[LoopState, jax.Array]:
@@ -125,7 +128,7 @@ def _split(key, cfg: _Settings):
 def _start(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key, cfg: _Settings) -> LoopState:
   b, t = prompts_BxT.shape
   k = cfg.num_drafts
-  tstate = init_target_state(target.cfg, b, cfg.max_len)
+  tstate = init_target_state(target.cfg, b, cfg.max_len, page_size=cfg.page_size, num_pages=cfg.num_pages)
   if cfg.mesh is not None:
     tstate = sharding.shard_state(tstate, cfg.mesh)
   logits, hid, tstate = target_step(target, tstate, prompts_BxT, lens_B)
@@ -141,17 +144,32 @@ def _start(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key, cfg: _
                 out=jnp.zeros((b, _out_width(cfg)), jnp.int32), num_out=jnp.zeros((b,), jnp.int32),
                 done=jnp.zeros((b,), bool), key=key, target_calls=one, verify_calls=0 * one,
                 accepted=0 * one, target_tokens=one, accepted_at=jnp.zeros((k,), jnp.int32))
-  s, _ = _emit(s, first_B[:, None], one, cfg, jnp.ones((b,), bool))
+  s, _ = _emit(s, first_B[:, None], one, cfg, ~_out_of_pages(tstate, None))
   if proposer is None:
-    return s
-  pstate = prop.init_state(proposer.cfg, b, cfg.max_len, keep_draft_probs=cfg.temperature > 0)
+    return _stop_out_of_pages(s)
+  pstate = prop.init_state(proposer.cfg, b, cfg.max_len, keep_draft_probs=cfg.temperature > 0,
+                           page_size=cfg.page_size, num_pages=cfg.num_pages)
   if cfg.mesh is not None:
     pstate = sharding.shard_state(pstate, cfg.mesh)
   # Position j's token is t_{j+1}: the prompt shifted left, with the first generated token at the end.
   tokens = jnp.concatenate([prompts_BxT[:, 1:], prompts_BxT[:, :1]], axis=1)
   tokens = tokens.at[jnp.arange(b), lens_B - 1].set(first_B)
   drafts, pstate = _draft(proposer, grammar, pstate, hid, tokens, lens_B, gstate_B, k_draft, cfg)
-  return s.set(proposer=pstate, drafts=drafts)
+  return _stop_out_of_pages(s.set(proposer=pstate, drafts=drafts))
+
+
+def _out_of_pages(tstate: TargetState, pstate: prop.ProposerState | None) -> jax.Array:
+  """bool[B]: sequences refused a page by the target's or the proposer's allocator (never when contiguous)."""
+  oom_B = jnp.zeros(tstate.length.shape, bool)
+  for st in (tstate, pstate):
+    if st is not None and st.pages is not None:
+      oom_B = oom_B | st.pages.oom
+  return oom_B
+
+
+def _stop_out_of_pages(s: LoopState) -> LoopState:
+  # A sequence refused a page stops; the others go on (its pages and rows are its own).
+  return s.set(done=s.done | _out_of_pages(s.target, s.proposer))
 
 
 def _step(target, proposer, grammar, s: LoopState, cfg: _Settings) -> LoopState:
@@ -162,6 +180,7 @@ def _step(target, proposer, grammar, s: LoopState, cfg: _Settings) -> LoopState:
   inp_BxK1 = jnp.concatenate([s.last[:, None], s.drafts], axis=1)
   old_len = s.target.length
   logits, hid, tstate = target_step(target, s.target, inp_BxK1, jnp.where(active_B, k + 1, 0))
+  active_B = active_B & ~_out_of_pages(tstate, None)  # its logits are meaningless: emit nothing
   if grammar is not None:
     # Position i gives the token after [emitted, d_1..d_i].
     gstates_BxK1 = grammar_lib.states_along(grammar, s.grammar_state, s.drafts)
@@ -187,7 +206,7 @@ def _step(target, proposer, grammar, s: LoopState, cfg: _Settings) -> LoopState:
   new_BxK1 = new_BxK1.at[jnp.arange(b), a_B].set(next_B)
   s2, n_B = _emit(s, new_BxK1, a_B + 1, cfg, active_B)
   # The target keeps its rows for [last, d_1..d_a]; the rest were rejected.
-  tstate = tstate.set(length=old_len + jnp.where(active_B, a_B + 1, 0))
+  tstate = trim_target(tstate, old_len + jnp.where(active_B, a_B + 1, 0))
   s2 = s2.set(target=tstate, last=jnp.where(active_B, next_B, s.last), key=key,
               target_calls=s.target_calls + active_B, verify_calls=s.verify_calls + active_B,
               accepted=s.accepted + jnp.minimum(a_B, n_B), target_tokens=s.target_tokens + (n_B == a_B + 1),
@@ -197,11 +216,11 @@ def _step(target, proposer, grammar, s: LoopState, cfg: _Settings) -> LoopState:
     s2 = s2.set(grammar_state=jnp.where(active_B, grammar_lib.advance(grammar, after_drafts_B, next_B),
                                         s.grammar_state))
   if proposer is None:
-    return s2
+    return _stop_out_of_pages(s2)
   pstate = prop._after_verify(s.proposer, a_B)
   num_new = jnp.where(s2.done, 0, a_B + 1)
   drafts, pstate = _draft(proposer, grammar, pstate, hid, new_BxK1, num_new, s2.grammar_state, k_draft, cfg)
-  return s2.set(proposer=pstate, drafts=drafts)
+  return _stop_out_of_pages(s2.set(proposer=pstate, drafts=drafts))
 
 
 def _out_width(cfg: _Settings) -> int:
@@ -344,6 +363,23 @@ def _validate(target, proposer, prompts, max_new_tokens, num_drafts, temperature
   return checked
 
 
+def _paging(max_len, default_max_len, page_size, num_pages, batch_size, mesh):
+  """(max_len, num_pages) for generate: a default max_len rounded up to whole pages, and by
+  default as many pages as the contiguous caches hold."""
+  if page_size is None:
+    if num_pages is not None:
+      raise ValueError(f"num_pages={num_pages!r} needs page_size")
+    return max_len or default_max_len, None
+  if mesh is not None:
+    raise ValueError("page_size and mesh: paged caches are not sharded yet; pass one of them")
+  if not isinstance(page_size, int) or page_size < 1:
+    raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+  max_len = max_len or -(-default_max_len // page_size) * page_size
+  num_pages = batch_size * (max_len // page_size) if num_pages is None else num_pages
+  check_paging(max_len, page_size, num_pages)
+  return max_len, num_pages
+
+
 def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[Sequence[int]],
              max_new_tokens: int, num_drafts: int | None = None, temperature: float = 0.0,
              top_k: int | None = None, top_p: float | None = None, seed: int = 0,
@@ -351,7 +387,8 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
              relaxed: tuple[int, float] | None = None,
              stream: Callable[[list[list[int]]], None] | None = None,
              grammar: grammar_lib.Grammar | None = None, constrained: Sequence[bool] | None = None,
-             draft_masks: str = "per_position", mesh: jax.sharding.Mesh | None = None) -> GenerateOutput:
+             draft_masks: str = "per_position", mesh: jax.sharding.Mesh | None = None,
+             page_size: int | None = None, num_pages: int | None = None) -> GenerateOutput:
   """Speculative decoding with the MTP chain (or plain autoregressive decoding if proposer is None).
 
   Args:
@@ -381,12 +418,17 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
       three, so greedy output is the same; only acceptance changes.
     mesh: a `mtp_jax.sharding.make_mesh` mesh: the loop's target and proposer caches are placed
       with batch on "data" and KV heads on "model" (shard the params with `shard_params`).
+    page_size, num_pages: paged KV caches (docs/serving.md): page_size must divide max_len (the
+      default max_len is rounded up to a multiple of it); num_pages pages per layer, default
+      B * max_len / page_size (as much as the contiguous caches), at least max_len / page_size.
+      A sequence refused a page stops early (listed in stats["out_of_pages"]); the others go on.
   Returns:
     GenerateOutput. stats: target_calls (forward passes per sequence, prefill included, summed),
     verify_calls, accepted_tokens (emitted drafts), target_tokens (emitted target tokens;
     accepted_tokens + target_tokens == generated_tokens), generated_tokens,
     mean_accepted_length (tokens per verify step: (generated - prefill tokens) / verify_calls),
-    acceptance_per_position (k rates: P(draft i accepted | step)).
+    acceptance_per_position (k rates: P(draft i accepted | step)), out_of_pages (indices of
+    the prompts stopped for lack of a page; always empty when contiguous).
   """
   a = _validate(target, proposer, prompts, max_new_tokens, num_drafts, temperature, top_k, top_p, seed,
                 eos_token_id, max_len, relaxed, stream, grammar, constrained, draft_masks)
@@ -404,9 +446,13 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
   for i, p in enumerate(prompts):
     prompts_BxT[i, :len(p)] = p
   full_len = max_len or t + max_new_tokens + k + 1  # rows that always suffice
-  capacity = max_len or min(full_len, max(MIN_CAPACITY, 1 << (t + k).bit_length()))
+  if page_size is None and num_pages is None:
+    capacity = max_len or min(full_len, max(MIN_CAPACITY, 1 << (t + k).bit_length()))
+  else:  # paged caches are sized by their pool and never grown: the capacity is the whole max_len
+    full_len, num_pages = _paging(max_len, full_len, page_size, num_pages, len(prompts), mesh)
+    capacity = full_len
   cfg = _Settings(k, max_new_tokens, a["temperature"], a["top_k"], a["top_p"], a["eos_token_id"], a["relaxed"],
-                  capacity, draft_masks, mesh)
+                  capacity, draft_masks, mesh, page_size, num_pages)
   gstate_B = None
   if grammar is not None:
     gstate_B = grammar_lib.init_grammar_state(
@@ -447,5 +493,6 @@ def _output(s: LoopState, k: int) -> GenerateOutput:
       mean_accepted_length=(generated - prefill_tokens) / verify_calls if verify_calls else float("nan"),
       acceptance_per_position=[int(c) / verify_calls if verify_calls else float("nan")
                                for c in np.asarray(s.accepted_at)[:k]],
+      out_of_pages=np.flatnonzero(np.asarray(_out_of_pages(s.target, s.proposer))).tolist(),
   )
   return GenerateOutput(tokens=tokens, stats=stats)

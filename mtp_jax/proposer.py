@@ -37,6 +37,7 @@ from jax.experimental import checkify
 from mtp_jax import grammar as grammar_lib
 from mtp_jax import validate
 from mtp_jax.blocks import KVCache, MlaCache, init_cache
+from mtp_jax.blocks.paged import Pages, PagedKVCache, allocator, set_table
 from mtp_jax.config import MtpConfig
 from mtp_jax.mtp import MtpModel
 from mtp_jax.sampling import sample
@@ -53,9 +54,10 @@ class ProposerState:
   draft_probs: float32[B, K, V] or None; cfg: static MtpConfig;
   num_live: static int, the modules 0..num_live-1 whose rows are current (K unless a
   `propose(..., catch_up=False)` left the deeper ones behind).
+  Paged (`init_state(page_size=, num_pages=)`): kv is K x PagedKVCache sharing `pages`' table.
   """
 
-  kv: tuple[KVCache | MlaCache, ...]
+  kv: tuple[KVCache | MlaCache | PagedKVCache, ...]
   tail: tuple[jax.Array, ...]
   lengths: jax.Array
   num_pos: jax.Array
@@ -63,6 +65,7 @@ class ProposerState:
   draft_probs: jax.Array | None
   cfg: MtpConfig = dataclasses.field(metadata=dict(static=True))
   num_live: int = dataclasses.field(metadata=dict(static=True))
+  pages: Pages | None = None
 
   def set(self, **changes) -> "ProposerState":
     return dataclasses.replace(self, **changes)
@@ -77,11 +80,13 @@ class ProposerState:
 
 
 def init_state(cfg: MtpConfig, batch_size: int, max_len: int, *, keep_draft_probs: bool = False,
-               dtype=None) -> ProposerState:
+               dtype=None, page_size: int | None = None, num_pages: int | None = None) -> ProposerState:
   """An empty state for `batch_size` sequences of at most `max_len` positions each.
 
   keep_draft_probs: also keep float32[B, K, V] draft distributions (for sampling verification).
   dtype: KV cache / tail dtype (default cfg.dtype).
+  page_size, num_pages: paged caches (blocks/paged.py): each module a pool of num_pages pages
+    of page_size rows, pages taken as positions arrive and returned by `reset_slots`.
   """
   validate.instance("cfg", cfg, MtpConfig)
   batch_size = validate.positive_int("batch_size", batch_size)
@@ -89,14 +94,16 @@ def init_state(cfg: MtpConfig, batch_size: int, max_len: int, *, keep_draft_prob
   keep_draft_probs = validate.flag("keep_draft_probs", keep_draft_probs)
   dtype = cfg.jnp_dtype if dtype is None else validate.float_dtype("dtype", dtype)
   k, d = cfg.num_modules, cfg.hidden_size
+  pages = allocator(batch_size, max_len, page_size, num_pages)
   return ProposerState(
-      kv=tuple(init_cache(cfg, batch_size, max_len, dtype) for _ in range(k)),
+      kv=tuple(init_cache(cfg, batch_size, max_len, dtype) if pages is None else
+               PagedKVCache.zeros(cfg, pages, dtype) for _ in range(k)),
       tail=tuple(jnp.zeros((batch_size, k, d), dtype) for _ in range(k - 1)),
       lengths=jnp.zeros((k, batch_size), jnp.int32),
       num_pos=jnp.zeros((batch_size,), jnp.int32),
       num_drafted=jnp.zeros((batch_size,), jnp.int32),
       draft_probs=(jnp.zeros((batch_size, k, cfg.vocab_size), jnp.float32) if keep_draft_probs else None),
-      cfg=cfg, num_live=k)
+      cfg=cfg, num_live=k, pages=pages)
 
 
 def _trim(lengths_KxB, num_pos_B, num_accepted_B):
@@ -248,7 +255,11 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
   lengths_KxB = jnp.where(pending_B[None], _trim(state.lengths, num_pos_B, jnp.zeros_like(num_pos_B)),
                           state.lengths)
   new_num_pos_B = num_pos_B + num_new_B
-  kv, tail = list(state.kv), list(state.tail)
+  kv, tail, pages = list(state.kv), list(state.tail), state.pages
+  if pages is not None:
+    # Every row this call writes is below new_num_pos_B (a slot refused pages writes nothing).
+    pages = pages.ensure(new_num_pos_B)
+    kv = list(set_table(state.kv, pages))
   new_lengths, drafts, probs = [], [], []
   prev_h_BxWxD, prev_start_B = hiddens_BxTxD.astype(cfg.jnp_dtype), num_pos_B
   g_state_B = grammar_state_B
@@ -305,7 +316,7 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
   new_state = state.set(kv=tuple(kv), tail=tuple(tail),
                         lengths=jnp.concatenate([jnp.stack(new_lengths), lengths_KxB[num_run:]]),
                         num_pos=new_num_pos_B, num_drafted=jnp.full((b,), num_drafts, jnp.int32),
-                        draft_probs=draft_probs, num_live=num_run)
+                        draft_probs=draft_probs, num_live=num_run, pages=pages)
   return jnp.stack(drafts, axis=1), new_state
 
 
@@ -349,6 +360,7 @@ def reset_slots(state: ProposerState, mask) -> ProposerState:
   Lengths, positions, pending drafts, tails and draft_probs are zeroed. Cache rows are not
   cleared: with length 0 no stale row is attended to, and attention selects (rather than
   multiplies away) the rows it may not read, so even NaN / inf left there cannot leak.
+  Paged: the slots' pages go back to the pool.
   """
   _check_state(state)
   b = state.batch_size
@@ -358,7 +370,8 @@ def reset_slots(state: ProposerState, mask) -> ProposerState:
   zero = lambda x: jnp.where(mask_B.reshape((b,) + (1,) * (x.ndim - 1)), jnp.zeros((), x.dtype), x)
   return state.set(lengths=jnp.where(mask_B[None], 0, state.lengths), num_pos=zero(state.num_pos),
                    num_drafted=zero(state.num_drafted), tail=tuple(zero(x) for x in state.tail),
-                   draft_probs=None if state.draft_probs is None else zero(state.draft_probs))
+                   draft_probs=None if state.draft_probs is None else zero(state.draft_probs),
+                   pages=None if state.pages is None else state.pages.reset(mask_B))
 
 
 def checked(fn):

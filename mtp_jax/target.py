@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.blocks import Block, Embed, KVCache, Linear, MlaCache, RMSNorm, init_cache
+from mtp_jax.blocks.paged import Pages, PagedKVCache, allocator, set_table
 from mtp_jax.config import TargetConfig
 from mtp_jax.mtp import assign_state_dict, param_names
 
@@ -43,10 +44,9 @@ class TargetModel(nnx.Module):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TargetState:
-  """The target's caches (N x `init_cache`'s KVCache or MlaCache) and rows written, int32[B]."""
-
-  kv: tuple[KVCache | MlaCache, ...]
+  kv: tuple[KVCache | MlaCache | PagedKVCache, ...]
   length: jax.Array
+  pages: Pages | None = None
 
   def set(self, **changes) -> "TargetState":
     return dataclasses.replace(self, **changes)
@@ -56,24 +56,55 @@ class TargetState:
     return self.kv[0].max_len
 
 
-def init_target_state(cfg: TargetConfig, batch_size: int, max_len: int, *, dtype=None) -> TargetState:
-  """Empty caches for batch_size sequences of at most max_len positions."""
-  return TargetState(kv=tuple(init_cache(cfg, batch_size, max_len, dtype) for _ in range(cfg.num_layers)),
-                     length=jnp.zeros((batch_size,), jnp.int32))
+def init_target_state(cfg: TargetConfig, batch_size: int, max_len: int, *, dtype=None,
+                      page_size: int | None = None, num_pages: int | None = None) -> TargetState:
+  """Empty caches for batch_size sequences of at most max_len positions.
+
+  page_size, num_pages: paged caches (blocks/paged.py), pages taken as rows are written and
+  returned by `trim_target` / `reset_target_slots`.
+  """
+  pages = allocator(batch_size, max_len, page_size, num_pages)
+  return TargetState(kv=tuple(init_cache(cfg, batch_size, max_len, dtype) if pages is None else
+                              PagedKVCache.zeros(cfg, pages, dtype) for _ in range(cfg.num_layers)),
+                     length=jnp.zeros((batch_size,), jnp.int32), pages=pages)
 
 
 def target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B):
   """Appends num_new_B[b] tokens (left-aligned in tokens_BxT: int32[B, T]) to each sequence.
 
   Prefill is the call with the whole prompt; verification the call with [last token, d_1..d_k].
-  Rows past max_len are dropped, never wrapped (callers validate lengths first).
+  Rows past max_len are dropped, never wrapped (callers validate lengths first). Paged, the
+  sequence first gets pages for its new rows; one refused them is flagged in `pages.oom` and
+  its rows beyond its pages are dropped (its logits are then meaningless; others are unaffected).
   Returns (logits float32[B, T, V], hiddens dtype[B, T, D], new TargetState with length += num_new).
   """
   t = tokens_BxT.shape[1]
   rows_BxT = state.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
   valid_BxT = jnp.arange(t)[None] < num_new_B[:, None]
-  logits, hiddens, kv = model(tokens_BxT, rows_BxT, valid_BxT, state.kv)
-  return logits, hiddens, state.set(kv=kv, length=state.length + num_new_B)
+  kv, pages = state.kv, state.pages
+  if pages is not None:
+    pages = pages.ensure(state.length + num_new_B)
+    kv = set_table(kv, pages)
+  logits, hiddens, kv = model(tokens_BxT, rows_BxT, valid_BxT, kv)
+  return logits, hiddens, state.set(kv=kv, length=state.length + num_new_B, pages=pages)
+
+
+def trim_target(state: TargetState, length_B) -> TargetState:
+  """Keeps rows 0..length_B[b]-1 (int32[B], <= length): rejected rows; paged, whole pages past them go back."""
+  state = state.set(length=length_B)
+  if state.pages is None:
+    return state
+  pages = state.pages.release(length_B)
+  return state.set(pages=pages, kv=set_table(state.kv, pages))
+
+
+def reset_target_slots(state: TargetState, mask_B) -> TargetState:
+  """Empties the slots where mask_B (bool[B]) is True; paged, their pages go back to the pool."""
+  state = state.set(length=jnp.where(mask_B, 0, state.length))
+  if state.pages is None:
+    return state
+  pages = state.pages.reset(mask_B)
+  return state.set(pages=pages, kv=set_table(state.kv, pages))
 
 
 def init_target(cfg: TargetConfig, seed: int = 0) -> TargetModel:

@@ -1,0 +1,131 @@
+"""Paged KV caches: the same drafts and tokens as contiguous caches, the allocator, errors."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import mtp_jax
+from mtp_jax.blocks.paged import Pages
+
+from test_generate import PROMPTS5, PROPOSER5, TARGET5
+from test_proposer import CFG, K, MAX_LEN, MODEL, Sim
+
+PAGE = 8
+
+
+def _paged_sim(prompt_lens, seed, num_pages):
+  sim = Sim(prompt_lens, seed)
+  sim.state = mtp_jax.init_state(CFG, sim.b, MAX_LEN, page_size=PAGE, num_pages=num_pages)
+  return sim
+
+
+def _check_pages(state):
+  """Each slot holds exactly the pages its positions need; held + free pages are all pages, once each."""
+  pages = state.pages
+  used, table = np.asarray(pages.used), np.asarray(pages.table)
+  np.testing.assert_array_equal(used, -(-np.asarray(state.num_pos) // PAGE))
+  held = np.concatenate([table[b, :used[b]] for b in range(len(used))])
+  free = np.asarray(pages.free)[:int(pages.num_free)]
+  assert sorted(np.concatenate([held, free]).tolist()) == list(range(pages.num_pages))
+
+
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_paged_drafts_equal_contiguous_over_random_histories(data):
+  """The proposer property test, run on both layouts side by side (k changes between calls)."""
+  prompt_lens = data.draw(st.lists(st.integers(1, 12), min_size=3, max_size=3), label="prompts")
+  seed = data.draw(st.integers(0, 2**16), label="seed")
+  flat, paged = Sim(prompt_lens, seed), _paged_sim(prompt_lens, seed, num_pages=3 * MAX_LEN // PAGE)
+  k = data.draw(st.integers(1, K), label="k0")
+  d_flat, d_paged = flat.first_call(k), paged.first_call(k)
+  for step in range(data.draw(st.integers(1, 5), label="steps") + 1):
+    np.testing.assert_array_equal(d_paged, d_flat)
+    paged.check(d_paged, k)
+    _check_pages(paged.state)
+    accepted = [data.draw(st.integers(0, k), label="a") for _ in range(flat.b)]
+    if max(len(t) for t in flat.toks) + k + 1 >= MAX_LEN:
+      break
+    h, t, n = flat.verify(d_flat, accepted)
+    paged.verify(d_paged, accepted)  # same rng stream: the same bonus tokens and hiddens
+    k = data.draw(st.integers(1, K), label="k")
+    d_flat, d_paged = flat.call(h, t, n, k), paged.call(h, t, n, k)
+
+
+def test_released_pages_are_reused_and_the_slot_behaves_like_fresh():
+  sim = _paged_sim([5, 12, 3], seed=11, num_pages=6)
+  drafts = sim.first_call(K)
+  h, t, n = sim.verify(drafts, [2, 1, 3])
+  sim.call(h, t, n, K)
+  before = int(sim.state.pages.num_free)
+  slot1_pages = set(np.asarray(sim.state.pages.table)[1, :int(sim.state.pages.used[1])].tolist())
+  state = mtp_jax.reset_slots(sim.state, np.array([False, True, False]))
+  assert int(state.pages.num_free) == before + len(slot1_pages) and int(state.pages.used[1]) == 0
+  # A new 30-token prompt in slot 1 needs 4 pages: the 2 never used and the 2 slot 1 gave back.
+  rng = np.random.default_rng(5)
+  hp = np.zeros((3, 32, CFG.hidden_size), np.float32)
+  tp = np.zeros((3, 32), np.int32)
+  hp[1, :30], tp[1, :30] = rng.normal(size=(30, CFG.hidden_size)), rng.integers(0, CFG.vocab_size, 30)
+  n = np.array([0, 30, 0], np.int32)
+  d_reused, state = mtp_jax.propose(MODEL, state, hp, tp, n, num_drafts=K)
+  assert not np.asarray(state.pages.oom).any()
+  free_before = set(np.asarray(sim.state.pages.free)[:before].tolist())
+  assert len(slot1_pages) == 2 and set(np.asarray(state.pages.table)[1, :4].tolist()) == slot1_pages | free_before
+  d_fresh, _ = mtp_jax.propose(MODEL, mtp_jax.init_state(CFG, 3, MAX_LEN), hp, tp, n, num_drafts=K)
+  np.testing.assert_array_equal(np.asarray(d_reused)[1], np.asarray(d_fresh)[1])
+
+
+def test_allocator_refuses_writes_past_its_pages_and_touches_no_other_slot():
+  pages = Pages.create(2, 32, 8, 5).ensure(jnp.array([16, 9]))  # slot 0 pages 0, 1; slot 1 pages 2, 3
+  pages = pages.ensure(jnp.array([32, 10]))  # slot 0 needs 2 more, only 1 is free: refused
+  np.testing.assert_array_equal(np.asarray(pages.oom), [True, False])
+  np.testing.assert_array_equal(np.asarray(pages.used), [2, 2])
+  assert int(pages.num_free) == 1
+  cache = mtp_jax.blocks.paged.PagedKVCache.zeros(CFG, pages).with_table(pages.table)
+  rows = jnp.arange(32)[None].repeat(2, 0)
+  ones = jnp.ones((2, 32, CFG.num_kv_heads, CFG.head_dim))
+  new, (k_view, _), key_rows = cache.update(rows, rows < jnp.array([[32], [0]]), ones, ones)
+  pool = np.asarray(new.k)
+  assert pool[[0, 1]].all() and not pool[[2, 3, 4]].any()  # rows 16.. of slot 0 were dropped
+  assert (np.asarray(key_rows)[0, 16:] == np.iinfo(np.int32).max).all()
+  # Trimming gives whole pages past the kept rows back; reset gives all and clears the flag.
+  pages = pages.release(jnp.array([3, 10]))
+  np.testing.assert_array_equal(np.asarray(pages.used), [1, 2])
+  pages = pages.reset(jnp.array([True, True]))
+  assert int(pages.num_free) == 5 and not np.asarray(pages.oom).any()
+  assert sorted(np.asarray(pages.free).tolist()) == list(range(5))
+
+
+def test_generate_paged_equals_contiguous_and_stops_sequences_out_of_pages():
+  flat = mtp_jax.generate(TARGET5, PROPOSER5, PROMPTS5, 24, num_drafts=K)
+  paged = mtp_jax.generate(TARGET5, PROPOSER5, PROMPTS5, 24, num_drafts=K, page_size=PAGE)
+  assert paged.tokens == flat.tokens and paged.stats == dict(flat.stats, out_of_pages=[])
+  # 11 pages of 8 rows cannot hold all three (up to 31 + 36 + 29 rows): two stop early, one goes on.
+  short = mtp_jax.generate(TARGET5, PROPOSER5, PROMPTS5, 24, num_drafts=K, page_size=PAGE, num_pages=11)
+  stopped = short.stats["out_of_pages"]
+  assert 0 < len(stopped) < len(PROMPTS5)
+  for i, (got, want) in enumerate(zip(short.tokens, flat.tokens)):
+    assert got == want if i not in stopped else (len(got) < len(want) and got == want[:len(got)])
+
+
+class TestErrors:
+
+  def test_page_size_must_divide_max_len(self):
+    with pytest.raises(ValueError, match="page_size=7 must divide max_len=48"):
+      mtp_jax.init_state(CFG, 2, 48, page_size=7, num_pages=100)
+    with pytest.raises(ValueError, match="page_size=5 must divide max_len=64"):
+      mtp_jax.generate(TARGET5, PROPOSER5, PROMPTS5, 4, max_len=64, page_size=5)
+
+  def test_num_pages_too_small_for_one_sequence(self):
+    with pytest.raises(ValueError, match="num_pages=5 is too small for one sequence.*6 pages"):
+      mtp_jax.init_target_state(TARGET5.cfg, 2, 48, page_size=8, num_pages=5)
+    with pytest.raises(ValueError, match="num_pages=1 is too small"):
+      mtp_jax.generate(TARGET5, PROPOSER5, PROMPTS5, 4, page_size=8, num_pages=1)
+
+  def test_page_size_and_num_pages_go_together(self):
+    with pytest.raises(ValueError, match="page_size and num_pages must be given together"):
+      mtp_jax.init_state(CFG, 2, 48, page_size=8)
+    with pytest.raises(ValueError, match="num_pages=4 needs page_size"):
+      mtp_jax.generate(TARGET5, PROPOSER5, PROMPTS5, 4, num_pages=4)
