@@ -37,7 +37,7 @@ from jax.experimental import checkify
 from mtp_jax import grammar as grammar_lib
 from mtp_jax import validate
 from mtp_jax.blocks import KVCache, MlaCache, init_cache
-from mtp_jax.blocks.paged import Pages, PagedKVCache, allocator, set_table
+from mtp_jax.blocks.paged import Pages, PagedKVCache, allocator, bind, unbind
 from mtp_jax.config import MtpConfig
 from mtp_jax.mtp import MtpModel
 from mtp_jax.sampling import sample
@@ -259,7 +259,7 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
   if pages is not None:
     # Every row this call writes is below new_num_pos_B (a slot refused pages writes nothing).
     pages = pages.ensure(new_num_pos_B)
-    kv = list(set_table(state.kv, pages))
+    kv = list(bind(state.kv, pages))
   new_lengths, drafts, probs = [], [], []
   prev_h_BxWxD, prev_start_B = hiddens_BxTxD.astype(cfg.jnp_dtype), num_pos_B
   g_state_B = grammar_state_B
@@ -313,7 +313,7 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
   draft_probs = state.draft_probs
   if draft_probs is not None:
     draft_probs = draft_probs.at[:, :num_drafts].set(jnp.stack(probs, axis=1))
-  new_state = state.set(kv=tuple(kv), tail=tuple(tail),
+  new_state = state.set(kv=tuple(kv) if pages is None else unbind(kv), tail=tuple(tail),
                         lengths=jnp.concatenate([jnp.stack(new_lengths), lengths_KxB[num_run:]]),
                         num_pos=new_num_pos_B, num_drafted=jnp.full((b,), num_drafts, jnp.int32),
                         draft_probs=draft_probs, num_live=num_run, pages=pages)

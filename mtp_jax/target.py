@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.blocks import Block, Embed, KVCache, Linear, MlaCache, RMSNorm, init_cache
-from mtp_jax.blocks.paged import Pages, PagedKVCache, allocator, set_table
+from mtp_jax.blocks.paged import Pages, PagedKVCache, allocator, bind, unbind
 from mtp_jax.config import TargetConfig
 from mtp_jax.mtp import assign_state_dict, param_names
 
@@ -84,27 +84,22 @@ def target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B):
   kv, pages = state.kv, state.pages
   if pages is not None:
     pages = pages.ensure(state.length + num_new_B)
-    kv = set_table(kv, pages)
+    kv = bind(kv, pages)
   logits, hiddens, kv = model(tokens_BxT, rows_BxT, valid_BxT, kv)
+  if pages is not None:
+    kv = unbind(kv)
   return logits, hiddens, state.set(kv=kv, length=state.length + num_new_B, pages=pages)
 
 
 def trim_target(state: TargetState, length_B) -> TargetState:
   """Keeps rows 0..length_B[b]-1 (int32[B], <= length): rejected rows; paged, whole pages past them go back."""
-  state = state.set(length=length_B)
-  if state.pages is None:
-    return state
-  pages = state.pages.release(length_B)
-  return state.set(pages=pages, kv=set_table(state.kv, pages))
+  return state.set(length=length_B, pages=None if state.pages is None else state.pages.release(length_B))
 
 
 def reset_target_slots(state: TargetState, mask_B) -> TargetState:
   """Empties the slots where mask_B (bool[B]) is True; paged, their pages go back to the pool."""
-  state = state.set(length=jnp.where(mask_B, 0, state.length))
-  if state.pages is None:
-    return state
-  pages = state.pages.reset(mask_B)
-  return state.set(pages=pages, kv=set_table(state.kv, pages))
+  return state.set(length=jnp.where(mask_B, 0, state.length),
+                   pages=None if state.pages is None else state.pages.reset(mask_B))
 
 
 def init_target(cfg: TargetConfig, seed: int = 0) -> TargetModel:

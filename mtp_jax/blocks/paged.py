@@ -4,7 +4,9 @@ Row j of sequence b lives in page `table[b, j // page_size]` at offset `j % page
 stay position-addressed (as in cache.py) and the causal mask still excludes stale rows. Every
 layer of a model (every MTP module, every target layer) has its own pool
 k, v dtype[num_pages, page_size, Hkv, Dh], and all of them share one table int32[B, max_pages]:
-page id p is taken in every pool at once.
+page id p is taken in every pool at once. The table lives once, in `Pages`; a model binds it
+to its caches for a call (`bind`) and drops it after (`unbind`), so a state holds one copy
+and donating the state never donates a buffer twice.
 
 `Pages` is the allocator: the table, the pages each slot holds and a stack of free page ids,
 all device arrays, so `ensure` / `release` / `reset` are pure jittable functions (no host round
@@ -126,18 +128,19 @@ class Pages:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
-  """One GQA layer's paged cache: pools k, v dtype[num_pages, page_size, Hkv, Dh] and the shared
-  page table int32[B, max_pages] (a copy of its model's `Pages.table`)."""
+  """One GQA layer's paged cache: pools k, v dtype[num_pages, page_size, Hkv, Dh], and while
+  bound for a call, its model's page table int32[B, max_pages] (None in a stored state)."""
 
   k: jax.Array
   v: jax.Array
-  table: jax.Array
+  table: jax.Array | None
+  max_pages: int = dataclasses.field(metadata=dict(static=True))
 
   @classmethod
   def zeros(cls, cfg: BlockConfig, pages: Pages, dtype=None) -> "PagedKVCache":
     shape = (pages.num_pages, pages.page_size, cfg.num_kv_heads, cfg.head_dim)
     dtype = dtype or cfg.jnp_dtype
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), pages.table)
+    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), None, pages.table.shape[1])
 
   @property
   def page_size(self) -> int:
@@ -145,7 +148,7 @@ class PagedKVCache:
 
   @property
   def max_len(self) -> int:
-    return self.table.shape[1] * self.page_size
+    return self.max_pages * self.page_size
 
   def with_table(self, table) -> "PagedKVCache":
     return dataclasses.replace(self, table=table)
@@ -164,9 +167,11 @@ class PagedKVCache:
     Returns (new cache, (k, v dtype[B, L, Hkv, Dh]) gathered through the table, int32[B, L]):
     keys of pages the slot does not hold carry NO_ROW.
     """
+    if self.table is None:
+      raise ValueError("a PagedKVCache needs its page table: bind it first (blocks.paged.bind)")
     page_BxT, off_BxT = self._addresses(rows_BxT, valid_BxT)
     write = lambda pool, x: pool.at[page_BxT, off_BxT].set(x.astype(pool.dtype), mode="drop")
-    new = PagedKVCache(write(self.k, k_BxTxKxDh), write(self.v, v_BxTxKxDh), self.table)
+    new = dataclasses.replace(self, k=write(self.k, k_BxTxKxDh), v=write(self.v, v_BxTxKxDh))
     b, max_pages = self.table.shape
     gather = lambda pool: jnp.take(pool, self.table, axis=0, mode="clip").reshape(
         b, max_pages * self.page_size, *pool.shape[2:])
@@ -178,9 +183,14 @@ class PagedKVCache:
   def partition_specs(batch: str | None, heads: str | None) -> "PagedKVCache":
     """Specs for a mesh: pools' KV heads on `heads` (pages are shared by the batch), table on `batch`."""
     pool = P(None, None, heads, None)
-    return PagedKVCache(pool, pool, P(batch, None))
+    return PagedKVCache(pool, pool, P(batch, None), 0)
 
 
-def set_table(caches: tuple[PagedKVCache, ...], pages: Pages) -> tuple[PagedKVCache, ...]:
-  """Every cache with the allocator's current table."""
+def bind(caches: tuple[PagedKVCache, ...], pages: Pages) -> tuple[PagedKVCache, ...]:
+  """Every cache with the allocator's current table, for one model call."""
   return tuple(c.with_table(pages.table) for c in caches)
+
+
+def unbind(caches: tuple[PagedKVCache, ...]) -> tuple[PagedKVCache, ...]:
+  """The caches without their table again, as a state stores them."""
+  return tuple(c.with_table(None) for c in caches)

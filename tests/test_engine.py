@@ -1,0 +1,81 @@
+"""The continuous-batching engine: each request's greedy output equals generate on it alone."""
+
+import functools
+
+import pytest
+
+import mtp_jax
+from mtp_jax.engine import Engine
+
+from test_generate import K, PROPOSER5, TARGET5
+
+# 3 slots but 10 pages of 8 rows: two requests of 4 pages hold 8, so a third waits for pages
+# with a slot free, and a slot that finishes is refilled from the queue.
+SETTINGS = dict(max_batch=3, max_len=64, page_size=8, num_pages=10)
+LONGEST = 24
+
+
+@functools.cache
+def _alone(prompt: tuple[int, ...]) -> list[int]:
+  """generate on one prompt by itself; shorter requests are its prefixes (greedy, no eos)."""
+  return mtp_jax.generate(TARGET5, PROPOSER5, [list(prompt)], LONGEST, num_drafts=K).tokens[0]
+
+
+def test_staggered_requests_equal_generate_alone_and_pages_come_back():
+  engine = Engine(TARGET5, PROPOSER5, **SETTINGS)
+  full = engine.free_pages()
+  a = engine.add_request([1, 2, 3], 20)            # 4 pages
+  b = engine.add_request([4, 0, 1, 2, 3, 4, 0, 1], 12)  # 3 pages
+  gained = engine.step()
+  assert set(gained) == {a, b} and engine.num_running == 2
+  c = engine.add_request([3], LONGEST)             # 4 pages: 7 + 4 > 10, waits with a slot free
+  engine.step()
+  assert engine.requests[c].status == "waiting" and engine.num_running == 2
+  d = engine.add_request([2, 2, 4, 1], 5)
+  streamed = {}
+  for rid, new in engine.stream():
+    streamed.setdefault(rid, []).extend(new)
+  for rid in (a, b, c, d):
+    req = engine.requests[rid]
+    want = _alone(tuple(req.prompt))[:req.max_new_tokens]
+    assert req.status == "finished" and req.tokens == want
+    assert req.stats["generated_tokens"] == len(want) and req.stats["verify_calls"] > 0
+    assert req.stats["ttft_s"] > 0 and req.stats["tokens_per_s"] > 0
+  assert streamed[c] == engine.requests[c].tokens  # c ran entirely inside the stream
+  assert engine.free_pages() == full and engine.num_running == engine.num_waiting == 0
+
+
+def test_cancel_frees_a_slot_and_leaves_the_others_exact():
+  engine = Engine(TARGET5, PROPOSER5, **SETTINGS)
+  keep = engine.add_request([1, 2, 3], 20)
+  dropped = engine.add_request([4, 0, 1, 2, 3, 4, 0, 1], 12)
+  queued = engine.add_request([3], LONGEST)
+  engine.step()
+  engine.cancel(queued)
+  engine.cancel(dropped)
+  assert engine.num_running == 1 and engine.num_waiting == 0
+  out = engine.run()
+  assert out[keep] == _alone((1, 2, 3))[:20]
+  assert engine.requests[dropped].status == engine.requests[queued].status == "cancelled"
+  assert out[queued] == [] and engine.free_pages() == SETTINGS["num_pages"]
+  with pytest.raises(KeyError, match="request_id=99 is not a request"):
+    engine.cancel(99)
+
+
+class TestErrors:
+
+  def test_request_longer_than_the_engine_limit(self):
+    engine = Engine(TARGET5, PROPOSER5, **SETTINGS)
+    with pytest.raises(ValueError, match=r"len\(prompt\)=40 \+ max_new_tokens=30 \+ k \+ 1 = 74 > max_len=64"):
+      engine.add_request([1] * 40, 30)
+    with pytest.raises(ValueError, match="prompt is empty"):
+      engine.add_request([], 3)
+    with pytest.raises(ValueError, match="outside 0..vocab_size-1=4"):
+      engine.add_request([7], 3)
+    assert engine.num_waiting == 0
+
+  def test_paging_arguments(self):
+    with pytest.raises(ValueError, match="page_size=6 must divide max_len=64"):
+      Engine(TARGET5, PROPOSER5, max_len=64, page_size=6)
+    with pytest.raises(ValueError, match="num_pages=7 is too small for one sequence"):
+      Engine(TARGET5, PROPOSER5, max_len=64, page_size=8, num_pages=7)
