@@ -22,7 +22,7 @@ import vs_transformers  # noqa: E402
 
 def test_scripts_start_from_a_checkout():
   for script in ("bench_propose.py", "bandwidth.py", "hot_path_ab.py", "scaling.py", "vs_transformers.py",
-                 "bench_mla.py"):
+                 "bench_mla.py", "bench_paged.py", "serve_bench.py"):
     proc = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True,
                           timeout=300, cwd="/")
     assert proc.returncode == 0, proc.stderr[-3000:]
