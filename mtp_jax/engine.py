@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax import proposer as prop
+from mtp_jax import validate
 from mtp_jax.generate import (PROMPT_BUCKET, LoopState, _draft, _emit, _out_of_pages, _Settings, _step_jit,
                               _stop_out_of_pages, _validate)
-from mtp_jax import proposer as prop
 from mtp_jax.blocks.paged import check_paging
 from mtp_jax.mtp import MtpModel
 from mtp_jax.sampling import sample
@@ -141,16 +142,13 @@ class Engine:
                top_p: float | None = None, eos_token_id: int | None = None, seed: int = 0):
     k = 0 if proposer is None else (num_drafts or proposer.cfg.num_modules)
     _validate(target, proposer, [[0]], 1, k, eos_token_id, None, None, "per_position")
-    if not isinstance(max_batch, int) or max_batch < 1:
-      raise ValueError(f"max_batch must be an int >= 1, got {max_batch!r}")
-    if not isinstance(max_len, int) or max_len < k + 2:
-      raise ValueError(f"max_len must be an int >= k + 2 = {k + 2}, got {max_len!r}")
-    if not isinstance(page_size, int) or page_size < 1:
-      raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    max_batch = validate.positive_int("max_batch", max_batch)
+    max_len = validate.integer("max_len", max_len, k + 2)
+    page_size = validate.positive_int("page_size", page_size)
     num_pages = max_batch * (max_len // page_size) if num_pages is None else num_pages
     check_paging(max_len, page_size, num_pages)
-    if temperature < 0:
-      raise ValueError(f"temperature must be >= 0, got {temperature}")
+    temperature, top_k, top_p = validate.sampling(temperature, top_k, top_p, target.cfg.vocab_size)
+    seed = validate.integer("seed", seed)
     self.target, self.proposer = target, proposer
     self.num_drafts, self.max_len, self.page_size, self.num_pages = k, max_len, page_size, num_pages
     # The device never stops a slot by count: the host cuts each request at its own max_new_tokens.
@@ -168,18 +166,17 @@ class Engine:
   def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
     """Queues a request; returns its id. Raises ValueError naming the argument and the limit."""
     v = self.target.cfg.vocab_size
-    prompt = [int(x) for x in prompt]
+    prompt = [validate.integer("prompt", x) for x in prompt]
     if not prompt:
-      raise ValueError("prompt is empty; a request needs at least one token")
+      raise validate.InvalidValue("prompt", "prompt is empty; a request needs at least one token")
     bad = [x for x in prompt if not 0 <= x < v]
     if bad:
-      raise ValueError(f"prompt has token id(s) {bad[:5]} outside 0..vocab_size-1={v - 1}")
-    if not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+      raise validate.InvalidValue("prompt", f"prompt has token id(s) {bad[:5]} outside 0..vocab_size-1={v - 1}")
+    max_new_tokens = validate.positive_int("max_new_tokens", max_new_tokens)
     need = len(prompt) + max_new_tokens + self.num_drafts + 1
     if need > self.max_len:
-      raise ValueError(f"request too long for the engine: len(prompt)={len(prompt)} + max_new_tokens="
-                       f"{max_new_tokens} + k + 1 = {need} > max_len={self.max_len}")
+      raise validate.InvalidValue("prompt", f"request too long for the engine: len(prompt)={len(prompt)} + "
+                                  f"max_new_tokens={max_new_tokens} + k + 1 = {need} > max_len={self.max_len}")
     rid = next(self._ids)
     self.requests[rid] = Request(rid, prompt, max_new_tokens, pages=-(-need // self.page_size),
                                  arrived_at=time.perf_counter())

@@ -368,12 +368,12 @@ def _paging(max_len, default_max_len, page_size, num_pages, batch_size, mesh):
   default as many pages as the contiguous caches hold."""
   if page_size is None:
     if num_pages is not None:
-      raise ValueError(f"num_pages={num_pages!r} needs page_size")
+      raise validate.InvalidValue("num_pages", f"num_pages={num_pages!r} needs page_size")
     return max_len or default_max_len, None
   if mesh is not None:
-    raise ValueError("page_size and mesh: paged caches are not sharded yet; pass one of them")
-  if not isinstance(page_size, int) or page_size < 1:
-    raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+    raise validate.InvalidValue("page_size", "page_size and mesh: paged caches are not sharded yet; "
+                                "pass one of them")
+  page_size = validate.positive_int("page_size", page_size)
   max_len = max_len or -(-default_max_len // page_size) * page_size
   num_pages = batch_size * (max_len // page_size) if num_pages is None else num_pages
   check_paging(max_len, page_size, num_pages)

@@ -23,28 +23,28 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from mtp_jax import validate
 from mtp_jax.blocks.cache import NO_ROW
 from mtp_jax.config import BlockConfig
 
 
 def check_paging(max_len: int, page_size: int, num_pages: int) -> int:
   """Validates a paged layout; returns max_pages = max_len // page_size (the pages of one sequence)."""
-  if not isinstance(page_size, int) or page_size < 1:
-    raise ValueError(f"page_size must be an int >= 1, got {page_size!r}")
+  page_size = validate.positive_int("page_size", page_size)
   if max_len % page_size:
-    raise ValueError(f"page_size={page_size} must divide max_len={max_len}")
+    raise validate.InvalidValue("page_size", f"page_size={page_size} must divide max_len={max_len}")
   max_pages = max_len // page_size
-  if not isinstance(num_pages, int) or num_pages < max_pages:
-    raise ValueError(f"num_pages={num_pages!r} is too small for one sequence: max_len={max_len} needs "
-                     f"max_len // page_size = {max_pages} pages")
+  if validate.positive_int("num_pages", num_pages) < max_pages:
+    raise validate.InvalidValue("num_pages", f"num_pages={num_pages} is too small for one sequence: "
+                                f"max_len={max_len} needs max_len // page_size = {max_pages} pages")
   return max_pages
 
 
 def allocator(batch_size: int, max_len: int, page_size: int | None, num_pages: int | None):
   """The `Pages` for page_size / num_pages (both or neither), or None for contiguous caches."""
   if (page_size is None) != (num_pages is None):
-    raise ValueError(f"page_size and num_pages must be given together, got page_size={page_size!r}, "
-                     f"num_pages={num_pages!r}")
+    raise validate.InvalidValue("page_size", "page_size and num_pages must be given together, got "
+                                f"page_size={page_size!r}, num_pages={num_pages!r}")
   return None if page_size is None else Pages.create(batch_size, max_len, page_size, num_pages)
 
 
