@@ -28,8 +28,8 @@ import numpy as np
 
 from mtp_jax import proposer as prop
 from mtp_jax import validate
-from mtp_jax.generate import (PROMPT_BUCKET, LoopState, _draft, _emit, _out_of_pages, _Settings, _step_jit,
-                              _stop_out_of_pages, _validate)
+from mtp_jax.generate import (PROMPT_BUCKET, LoopState, _draft, _emit, _out_of_pages, _Settings, _split,
+                              _step_jit, _stop_out_of_pages, _validate)
 from mtp_jax.blocks.paged import check_paging
 from mtp_jax.mtp import MtpModel
 from mtp_jax.sampling import sample
@@ -94,7 +94,7 @@ def _admit(target, proposer, s: LoopState, prompts_BxT, lens_B, admit_B, cfg: _S
   s = s.set(num_out=zero(s.num_out), done=s.done & ~admit_B, target_calls=zero(s.target_calls) + one,
             verify_calls=zero(s.verify_calls), accepted=zero(s.accepted), target_tokens=zero(s.target_tokens) + one)
   logits, hid, tstate = target_step(target, s.target, prompts_BxT, jnp.where(admit_B, lens_B, 0))
-  key, k_first, k_draft = jax.random.split(s.key, 3)
+  key, k_first, k_draft = _split(s.key, cfg)
   last_B = jnp.maximum(lens_B - 1, 0)
   last_logits = jnp.take_along_axis(logits, last_B[:, None, None], axis=1)[:, 0]
   first_B, _ = sample(last_logits, k_first, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)

@@ -37,7 +37,7 @@ from jax.experimental import checkify
 from mtp_jax import grammar as grammar_lib
 from mtp_jax import validate
 from mtp_jax.blocks import KVCache, MlaCache, init_cache
-from mtp_jax.blocks.paged import Pages, PagedKVCache, allocator, bind, unbind
+from mtp_jax.blocks.paged import Pages, PagedKVCache, allocator, bind, paged_cache, unbind
 from mtp_jax.config import MtpConfig
 from mtp_jax.mtp import MtpModel
 from mtp_jax.sampling import sample
@@ -97,7 +97,7 @@ def init_state(cfg: MtpConfig, batch_size: int, max_len: int, *, keep_draft_prob
   pages = allocator(batch_size, max_len, page_size, num_pages)
   return ProposerState(
       kv=tuple(init_cache(cfg, batch_size, max_len, dtype) if pages is None else
-               PagedKVCache.zeros(cfg, pages, dtype) for _ in range(k)),
+               paged_cache(cfg, pages, dtype) for _ in range(k)),
       tail=tuple(jnp.zeros((batch_size, k, d), dtype) for _ in range(k - 1)),
       lengths=jnp.zeros((k, batch_size), jnp.int32),
       num_pos=jnp.zeros((batch_size,), jnp.int32),

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.blocks import Block, Embed, KVCache, Linear, MlaCache, RMSNorm, init_cache
-from mtp_jax.blocks.paged import Pages, PagedKVCache, allocator, bind, unbind
+from mtp_jax.blocks.paged import Pages, PagedKVCache, allocator, bind, paged_cache, unbind
 from mtp_jax.config import TargetConfig
 from mtp_jax.mtp import assign_state_dict, param_names
 
@@ -65,7 +65,7 @@ def init_target_state(cfg: TargetConfig, batch_size: int, max_len: int, *, dtype
   """
   pages = allocator(batch_size, max_len, page_size, num_pages)
   return TargetState(kv=tuple(init_cache(cfg, batch_size, max_len, dtype) if pages is None else
-                              PagedKVCache.zeros(cfg, pages, dtype) for _ in range(cfg.num_layers)),
+                              paged_cache(cfg, pages, dtype) for _ in range(cfg.num_layers)),
                      length=jnp.zeros((batch_size,), jnp.int32), pages=pages)
 
 

@@ -179,11 +179,19 @@ class PagedKVCache:
     held_BxL = jnp.repeat(self.table < self.k.shape[0], self.page_size, axis=1)
     return new, (gather(new.k), gather(new.v)), jnp.where(held_BxL, rows_BxL, NO_ROW)
 
-  @staticmethod
-  def partition_specs(batch: str | None, heads: str | None) -> "PagedKVCache":
-    """Specs for a mesh: pools' KV heads on `heads` (pages are shared by the batch), table on `batch`."""
-    pool = P(None, None, heads, None)
-    return PagedKVCache(pool, pool, P(batch, None), 0)
+  def partition_specs(self, batch_axis, model_axis, model_size: int) -> "PagedKVCache":
+    """PartitionSpecs: pools' Hkv on model_axis when it divides by model_size; pages are shared
+    by the whole batch, so no axis is on batch_axis (the table, bound per call, lives in `Pages`)."""
+    pool = P(None, None, model_axis if self.k.shape[2] % model_size == 0 else None, None)
+    return PagedKVCache(pool, pool, None, self.max_pages)
+
+
+def paged_cache(cfg: BlockConfig, pages: Pages, dtype=None) -> PagedKVCache:
+  """An empty paged cache for a layer of cfg; GQA only (MLA's latent cache has no paged form yet)."""
+  if cfg.mla is not None:
+    raise validate.InvalidValue("page_size", "page_size: paged caches hold GQA k, v; MLA attention "
+                                "(cfg.mla) has no paged cache yet")
+  return PagedKVCache.zeros(cfg, pages, dtype)
 
 
 def bind(caches: tuple[PagedKVCache, ...], pages: Pages) -> tuple[PagedKVCache, ...]:
