@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp_jax import validate
 from mtp_jax.blocks import Block, Embed, KVCache, Linear, RMSNorm, module_state_dict
 from mtp_jax.config import MtpConfig
 
@@ -93,6 +94,8 @@ def assign_state_dict(model: nnx.Module, names: dict[str, tuple], tensors: Mappi
     value = np.asarray(tensors[name])
     if value.shape != shape:
       raise ValueError(f"{what}: tensor {name!r} has shape {value.shape}, expected {shape}")
+    if not jnp.issubdtype(value.dtype, jnp.floating):  # int / bool weights would load as silent casts
+      raise validate.InvalidType(name, f"{what}: tensor {name!r} has dtype {value.dtype}, expected a floating dtype")
     if not np.all(np.isfinite(value.astype(np.float32))):
       raise ValueError(f"{what}: tensor {name!r} contains NaN or inf")
     flat[path][...] = jnp.asarray(value, flat[path][...].dtype)

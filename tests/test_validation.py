@@ -495,3 +495,11 @@ def test_grammar_accepting_the_empty_string(pattern, text):
     state = grammar.advance(g, state, jnp.array([byte], jnp.int32))
   assert bool(np.asarray(g.final)[int(state[0])])
   assert not np.asarray(grammar.token_mask(g, start, 258))[0, ord("z")]
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.bool_])
+def test_integer_weights_are_refused(dtype):
+  tensors = {name: np.asarray(value) for name, value in mtp_jax.state_dict(MTP).items()}
+  tensors["lm_head.weight"] = tensors["lm_head.weight"].astype(dtype)
+  with _raises(TypeError, "lm_head.weight", "floating"):
+    mtp_jax.load_state_dict(MTP_CFG, tensors)
