@@ -112,34 +112,30 @@ class MoeConfig:
 
   def __post_init__(self):
     name = type(self).__name__
-    _check_positive(name, num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
-                    moe_intermediate_size=self.moe_intermediate_size, n_group=self.n_group,
-                    topk_group=self.topk_group)
-    if self.scoring not in ("softmax", "sigmoid"):
-      raise ValueError(f"{name}.scoring must be 'softmax' or 'sigmoid', got {self.scoring!r}")
+    bad = lambda field, message: validate.InvalidValue(f"{name}.{field}", f"{name}.{field} {message}")
+    validate.dataclass_fields(
+        self, positive=("num_experts", "num_experts_per_tok", "moe_intermediate_size", "n_group", "topk_group"),
+        ints=("n_shared_experts", "first_k_dense_replace"),
+        reals=dict(routed_scaling_factor=(0.0, None, True)),
+        flags=("e_score_correction_bias", "norm_topk_prob", "shared_expert_gate"))
+    validate.one_of(f"{name}.scoring", self.scoring, ("softmax", "sigmoid"))
     if self.num_experts % self.n_group:
-      raise ValueError(f"{name}.n_group ({self.n_group}) must divide num_experts ({self.num_experts})")
+      raise bad("n_group", f"({self.n_group}) must divide num_experts ({self.num_experts})")
     if self.n_group > 1 and self.num_experts // self.n_group < 2:
-      raise ValueError(f"{name}.n_group ({self.n_group}) must leave >= 2 experts per group: "
-                       f"a group scores the sum of its two best experts")
+      raise bad("n_group", f"({self.n_group}) must leave >= 2 experts per group: a group scores "
+                "the sum of its two best experts")
     if self.topk_group > self.n_group:
-      raise ValueError(f"{name}.topk_group ({self.topk_group}) must be <= n_group ({self.n_group})")
+      raise bad("topk_group", f"({self.topk_group}) must be <= n_group ({self.n_group})")
     allowed = self.topk_group * (self.num_experts // self.n_group)
     if self.num_experts_per_tok > allowed:
-      raise ValueError(f"{name}.num_experts_per_tok ({self.num_experts_per_tok}) must be <= the "
-                       f"{allowed} experts in topk_group ({self.topk_group}) groups")
-    if not self.routed_scaling_factor > 0:
-      raise ValueError(f"{name}.routed_scaling_factor must be > 0, got {self.routed_scaling_factor!r}")
-    for field in ("n_shared_experts", "first_k_dense_replace"):
-      value = getattr(self, field)
-      if not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name}.{field} must be an int >= 0, got {value!r}")
+      raise bad("num_experts_per_tok", f"({self.num_experts_per_tok}) must be <= the {allowed} experts "
+                f"in topk_group ({self.topk_group}) groups")
     if self.shared_expert_intermediate_size is not None:
-      _check_positive(name, shared_expert_intermediate_size=self.shared_expert_intermediate_size)
+      validate.positive_int(f"{name}.shared_expert_intermediate_size", self.shared_expert_intermediate_size)
       if not self.n_shared_experts:
-        raise ValueError(f"{name}.shared_expert_intermediate_size is set but n_shared_experts is 0")
+        raise bad("shared_expert_intermediate_size", "is set but n_shared_experts is 0")
     if self.shared_expert_gate and not self.n_shared_experts:
-      raise ValueError(f"{name}.shared_expert_gate needs a shared expert (n_shared_experts >= 1)")
+      raise bad("shared_expert_gate", "needs a shared expert (n_shared_experts >= 1)")
 
   @property
   def shared_width(self) -> int:
@@ -202,8 +198,8 @@ class BlockConfig:
     validate.float_dtype(f"{cls}.dtype", self.dtype)
     if isinstance(self.moe, dict):  # as dataclasses.asdict wrote it into a config.json
       object.__setattr__(self, "moe", MoeConfig(**self.moe))
-    if self.moe is not None and not isinstance(self.moe, MoeConfig):
-      raise TypeError(f"moe must be a MoeConfig or None, got {type(self.moe).__name__}")
+    if self.moe is not None:
+      validate.instance(f"{cls}.moe", self.moe, MoeConfig, "a MoeConfig or None")
 
   @property
   def rotary_dim(self) -> int:
