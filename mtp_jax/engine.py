@@ -140,15 +140,14 @@ class Engine:
                max_len: int = 512, page_size: int = 16, num_pages: int | None = None,
                num_drafts: int | None = None, temperature: float = 0.0, top_k: int | None = None,
                top_p: float | None = None, eos_token_id: int | None = None, seed: int = 0):
-    k = 0 if proposer is None else (num_drafts or proposer.cfg.num_modules)
-    _validate(target, proposer, [[0]], 1, k, eos_token_id, None, None, "per_position")
+    a = _validate(target, proposer, [[0]], 1, num_drafts, temperature, top_k, top_p, seed, eos_token_id,
+                  None, None, None, None, None, "per_position")
+    k, temperature, top_k, top_p, seed = a["k"], a["temperature"], a["top_k"], a["top_p"], a["seed"]
     max_batch = validate.positive_int("max_batch", max_batch)
     max_len = validate.integer("max_len", max_len, k + 2)
     page_size = validate.positive_int("page_size", page_size)
     num_pages = max_batch * (max_len // page_size) if num_pages is None else num_pages
     check_paging(max_len, page_size, num_pages)
-    temperature, top_k, top_p = validate.sampling(temperature, top_k, top_p, target.cfg.vocab_size)
-    seed = validate.integer("seed", seed)
     self.target, self.proposer = target, proposer
     self.num_drafts, self.max_len, self.page_size, self.num_pages = k, max_len, page_size, num_pages
     # The device never stops a slot by count: the host cuts each request at its own max_new_tokens.
