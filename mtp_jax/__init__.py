@@ -11,6 +11,7 @@ from mtp_jax.generate import GenerateOutput, generate
 from mtp_jax.engine import Engine
 from mtp_jax import blocks, checkpoint, data, grammar, layouts, sharding, train  # submodules, as namespaces
 from mtp_jax.demo import load_demo
+from mtp_jax.pretrained import from_pretrained, load_tokenizer
 
 __all__ = [
     "BlockConfig", "MlaConfig", "MtpConfig", "RopeScaling", "TargetConfig", "KVCache", "MlaCache", "MtpModel", "forward_chain", "init_mtp",
@@ -18,5 +19,5 @@ __all__ = [
     "propose", "reset_slots", "TargetModel", "TargetState", "init_target", "init_target_state",
     "load_target_state_dict", "target_state_dict", "target_step", "verify_greedy", "verify_relaxed",
     "verify_sampling", "GenerateOutput", "generate", "Engine", "blocks", "checkpoint", "data", "grammar", "layouts",
-    "sharding", "train", "load_demo",
+    "sharding", "train", "load_demo", "from_pretrained", "load_tokenizer",
 ]

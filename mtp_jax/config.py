@@ -216,33 +216,73 @@ class BlockConfig:
     return BlockConfig(**{f.name: getattr(self, f.name) for f in dataclasses.fields(BlockConfig)})
 
 
+DEPTH_REUSE = ("cycle", "last")
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MtpConfig(BlockConfig):
-  """K chained MTP modules (DeepSeek-V3 layout, dense blocks).
+  """K chained MTP modules (DeepSeek-V3 layout, dense blocks) and how the chain is wired.
 
-  vocab_size: V; hidden_size: D; num_modules: K.
-  pass_normed_hidden: feed the next module shared_head_norm(h) instead of the residual h.
+  vocab_size: V; hidden_size: D; num_modules: K (modules with weights of their own).
+  The chain conventions below default to transformers' `MtpModel`; `layouts.CONVENTIONS`
+  holds each family's values (docs/checkpoints.md says where each comes from):
+  pass_normed_hidden: hand the next depth shared_head_norm(h) instead of the residual h.
+  head_norm: apply shared_head_norm before the LM head (ERNIE-4.5 applies none: the module
+    has no shared_head_norm and hands on, and scores, its residual h).
+  mask_first_embedding: zero the token embedding of position 0 (module 1, row 0), as vLLM does
+    for DeepSeek, GLM, MiMo and ERNIE.
+  max_depth: drafts a propose may make (default K); depths past K reuse a module's weights,
+    each depth with a KV cache of its own.
+  depth_reuse: which module depth i >= K runs: "cycle" (i mod K, vLLM's rule) or "last" (K - 1).
   """
 
   vocab_size: int
   num_modules: int
-  pass_normed_hidden: bool = False
+  pass_normed_hidden: bool = True
+  head_norm: bool = True
+  mask_first_embedding: bool = False
+  max_depth: int | None = None
+  depth_reuse: str = "cycle"
 
   def __post_init__(self):
     super().__post_init__()
-    validate.dataclass_fields(self, positive=("vocab_size", "num_modules"), flags=("pass_normed_hidden",))
+    validate.dataclass_fields(self, positive=("vocab_size", "num_modules"),
+                              flags=("pass_normed_hidden", "head_norm", "mask_first_embedding"))
+    if self.max_depth is not None:
+      validate.positive_int("MtpConfig.max_depth", self.max_depth)
+    if self.depth_reuse not in DEPTH_REUSE:
+      raise validate.InvalidValue("MtpConfig.depth_reuse",
+                                  f"MtpConfig.depth_reuse must be one of {DEPTH_REUSE}, got {self.depth_reuse!r}")
+    if self.pass_normed_hidden and not self.head_norm:
+      raise validate.InvalidValue("MtpConfig.pass_normed_hidden",
+                                  "MtpConfig.pass_normed_hidden needs head_norm: without a head norm "
+                                  "there is no normed hidden to hand on")
+
+  @property
+  def num_depths(self) -> int:
+    """Depths the chain runs (max_depth, default K); each has its own KV cache."""
+    return self.max_depth or self.num_modules
+
+  def module_of(self, i: int) -> int:
+    """The module (0-based) whose weights depth i (0-based) runs."""
+    if not 0 <= i < self.num_depths:
+      raise ValueError(f"depth {i} is outside 0..num_depths-1={self.num_depths - 1}")
+    if i < self.num_modules:
+      return i
+    return i % self.num_modules if self.depth_reuse == "cycle" else self.num_modules - 1
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TargetConfig(BlockConfig):
   """A Llama / Qwen-style decoder: embedding, N pre-norm blocks, final RMSNorm, LM head.
 
-  output_normed_hidden: hand the MTP chain norm(h) instead of the residual stream h.
+  output_normed_hidden: hand the MTP chain the post-final-norm hidden norm(h) (what every
+    engine and transformers feed module 1) instead of the residual stream h.
   """
 
   vocab_size: int
   num_layers: int
-  output_normed_hidden: bool = False
+  output_normed_hidden: bool = True
 
   def __post_init__(self):
     super().__post_init__()

@@ -318,7 +318,7 @@ def _validate(target, proposer, prompts, max_new_tokens, num_drafts, temperature
     if proposer.cfg.hidden_size != target.cfg.hidden_size:
       raise validate.InvalidValue("proposer", f"hidden size mismatch: target hidden_size={target.cfg.hidden_size}, "
                                               f"proposer hidden_size={proposer.cfg.hidden_size}")
-    k_max = proposer.cfg.num_modules
+    k_max = proposer.cfg.num_depths
     k = k_max if num_drafts is None else validate.integer("num_drafts", num_drafts, 1, k_max)
   prompts = _check_prompts(prompts, v)
   temperature, top_k, top_p = validate.sampling(temperature, top_k, top_p)

@@ -1,9 +1,11 @@
-"""Real MTP checkpoint layouts (DeepSeek-V3 / GLM-4.5, MiMo, Qwen3-Next) onto mtp_jax's names.
+"""Real MTP checkpoint layouts (DeepSeek-V3 / GLM-4.5, MiMo, ERNIE-4.5, Qwen3-Next, LongCat-Flash,
+MiMo-V2) onto mtp_jax's names, and each family's chain conventions.
 
 Dense and MoE FFNs are supported; docs/checkpoints.md lists the names and every layout's mapping.
 Routed experts are stored one tensor per expert (mlp.experts.{e}.{gate,up,down}_proj.weight,
 torch [out, in]) in every layout, canonical files included, and stacked into mtp_jax's
 mlp.experts.{gate,up,down}_proj ([E, in, out], see blocks/moe.py) on load.
+Each family's chain conventions are in CONVENTIONS (sources in docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -19,20 +21,45 @@ from flax import nnx
 
 from mtp_jax import mtp
 from mtp_jax.checkpoint import CheckpointReader, save_tensors
-from mtp_jax.config import MtpConfig
+from mtp_jax.config import MtpConfig, RopeScaling
 
-LAYOUTS = ("canonical", "deepseek", "mimo", "qwen3_next")
+LAYOUTS = ("canonical", "deepseek", "mimo", "ernie", "qwen3_next", "longcat", "mimo_v2")
 
-# Whether a layout's next module reads the previous module's head-normed hidden state.
-# DeepSeek chains the raw residual stream; MiMo and Qwen3-Next return norm(h) from each step.
-_PASS_NORMED_HIDDEN = {"deepseek": False, "mimo": True, "qwen3_next": True}
+# Each family's chain: its HF model_types, tensor layout and MtpConfig conventions.
+# Where transformers' MtpModel covers a family (DeepSeek-V3, GLM-4.5) its behaviour is the default
+# (post-norm hidden chained, no position-0 mask); elsewhere vLLM's MTP model file (SGLang where
+# vLLM has no rule). Every target hands module 1 its post-final-norm hidden (TargetConfig
+# default); concat order is fixed at load time (MiMo's input_proj halves are swapped).
+# depth_reuse "cycle" is vLLM's spec_step_idx % num_mtp_layers. Sources: docs/checkpoints.md.
+CONVENTIONS = {
+    "deepseek_v3": dict(model_types=("deepseek_v3",), layout="deepseek", pass_normed_hidden=True,
+                        head_norm=True, mask_first_embedding=False, depth_reuse="cycle"),
+    "glm4_moe": dict(model_types=("glm4_moe",), layout="deepseek", pass_normed_hidden=True,
+                     head_norm=True, mask_first_embedding=False, depth_reuse="cycle"),
+    "mimo": dict(model_types=("mimo",), layout="mimo", pass_normed_hidden=True, head_norm=True,
+                 mask_first_embedding=True, depth_reuse="cycle"),
+    "ernie4_5": dict(model_types=("ernie4_5", "ernie4_5_moe"), layout="ernie", pass_normed_hidden=False,
+                     head_norm=False, mask_first_embedding=True, depth_reuse="cycle"),
+    "qwen3_next": dict(model_types=("qwen3_next", "qwen3_5", "qwen3_5_moe"), layout="qwen3_next",
+                       pass_normed_hidden=True, head_norm=True, mask_first_embedding=False,
+                       depth_reuse="cycle"),
+    "longcat_flash": dict(model_types=("longcat_flash",), layout="longcat", pass_normed_hidden=True,
+                          head_norm=True, mask_first_embedding=False, depth_reuse="cycle"),
+    "mimo_v2_flash": dict(model_types=("mimo_v2_flash", "mimo_v2"), layout="mimo_v2",
+                          pass_normed_hidden=True, head_norm=True, mask_first_embedding=False,
+                          depth_reuse="cycle"),
+}
+CONVENTION_FIELDS = ("pass_normed_hidden", "head_norm", "mask_first_embedding", "depth_reuse")
 
 # The tensor that only that layout has, for detect_layout.
 _SIGNATURES = {
     "canonical": r"mtp\.\d+\.eh_proj\.weight",
     "deepseek": r"model\.layers\.\d+\.eh_proj\.weight",
     "mimo": r"model\.mtp_layers\.\d+\.input_proj\.weight",
+    "ernie": r"model\.mtp_linear_proj\.\d+\.weight",
     "qwen3_next": r"mtp\.fc\.weight",
+    "longcat": r"model\.mtp\.layers\.\d+\.enorm\.m\.weight",
+    "mimo_v2": r"model\.mtp\.layers\.\d+\.final_layernorm\.weight",
 }
 
 # HF config keys for the number of MTP modules: DeepSeek / GLM / MiMo, Qwen3-Next, others.
@@ -42,6 +69,16 @@ _MIMO_NAMES = {"enorm.weight": "token_layernorm.weight",
                "hnorm.weight": "hidden_layernorm.weight",
                "eh_proj.weight": "input_proj.weight",
                "shared_head.norm.weight": "final_layernorm.weight"}
+_ERNIE_NAMES = {"enorm.weight": "model.mtp_emb_norm.{i}.weight",
+                "hnorm.weight": "model.mtp_hidden_norm.{i}.weight",
+                "eh_proj.weight": "model.mtp_linear_proj.{i}.weight"}
+# LongCat-Flash: one final norm for all modules; the MLP sits under transformer_layer.
+_LONGCAT_NAMES = {"enorm.weight": "enorm.m.weight", "hnorm.weight": "hnorm.m.weight",
+                  "mlp.gate_proj.weight": "transformer_layer.mlp.gate_proj.weight",
+                  "mlp.up_proj.weight": "transformer_layer.mlp.up_proj.weight",
+                  "mlp.down_proj.weight": "transformer_layer.mlp.down_proj.weight"}
+_MIMO_V2_NAMES = {"post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
+                  "shared_head.norm.weight": "final_layernorm.weight"}
 # One set shared by every Qwen3-Next MTP layer.
 _QWEN3_NEXT_SHARED = {"enorm.weight": "mtp.pre_fc_norm_embedding.weight",
                       "hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
@@ -77,32 +114,66 @@ def detect_layout(names: Iterable[str]) -> str:
   return found[0]
 
 
-def config_from_hf(config: Mapping | str | os.PathLike, *, layout: str | None = None) -> MtpConfig:
-  """An MtpConfig from an HF config.json (dict or path), or from one written by save_canonical.
+# Defaults transformers' config classes apply when config.json leaves a field out.
+_FAMILY_PARTIAL_ROTARY = {"glm4_moe": 0.5, "qwen3_next": 0.25}
+_INTERLEAVED_ROPE = ("ernie4_5", "ernie4_5_moe")
 
-  `layout` sets how hidden states chain between modules; without it that stays at the default.
-  Settings mtp_jax cannot honour (RoPE scaling, partial rotary, non-SiLU MLPs) raise ValueError.
-  """
-  if not isinstance(config, Mapping):
-    with open(config) as f:
-      config = json.load(f)
-  if "mtp_jax" in config:
-    return MtpConfig(**config["mtp_jax"])
+
+def _load_json(config):
+  if isinstance(config, Mapping):
+    return config
+  with open(config) as f:
+    return json.load(f)
+
+
+def family_of(config: Mapping, layout: str | None = None) -> str | None:
+  """The CONVENTIONS family of an HF config (by model_type), else of a layout; None for neither."""
+  model_type = config.get("model_type")
+  for family, conv in CONVENTIONS.items():
+    if model_type in conv["model_types"]:
+      return family
+  for family, conv in CONVENTIONS.items():
+    if layout is not None and conv["layout"] == layout:
+      return family
+  return None
+
+
+def conventions(family: str | None) -> dict:
+  """MtpConfig chain fields of a family (empty for None: MtpConfig's defaults)."""
+  if family is None:
+    return {}
+  if family not in CONVENTIONS:
+    raise ValueError(f"unknown family {family!r}; expected one of {sorted(CONVENTIONS)}")
+  return {k: CONVENTIONS[family][k] for k in CONVENTION_FIELDS}
+
+
+def block_kwargs_from_hf(config: Mapping) -> dict:
+  """BlockConfig fields from an HF config.json; settings mtp_jax cannot honour raise ValueError."""
+  model_type = config.get("model_type")
   rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
   rope_type = rope.get("rope_type", rope.get("type", "default"))
-  if rope_type != "default":
-    raise ValueError(f"RoPE type {rope_type!r} is not supported, only plain RoPE")
-  partial = config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))
-  if partial != 1.0:
-    raise ValueError(f"partial_rotary_factor {partial} is not supported, only full RoPE")
+  scaling = None
+  if rope_type == "yarn":
+    fields = {f.name for f in dataclasses.fields(RopeScaling)} - {"rope_type", "max_position_embeddings"}
+    scaling = RopeScaling(**{k: v for k, v in rope.items() if k in fields},
+                          max_position_embeddings=config.get("max_position_embeddings"))
+  elif rope_type != "default":
+    raise ValueError(f"config.json: RoPE type {rope_type!r} is not supported, only plain RoPE and YaRN")
   act = config.get("hidden_act", "silu")
   if act not in ("silu", "swish"):
-    raise ValueError(f"hidden_act {act!r} is not supported, only SiLU-gated MLPs")
-  num_modules = next((config[k] for k in _NUM_MTP_KEYS if config.get(k)), None)
-  if num_modules is None:
-    raise ValueError(f"config has no MTP modules (none of {_NUM_MTP_KEYS} is set and positive)")
+    raise ValueError(f"config.json: hidden_act {act!r} is not supported, only SiLU-gated MLPs")
+  if config.get("use_bias"):
+    raise ValueError("config.json: use_bias (biases on every linear, ERNIE-4.5) is not supported")
   heads = config["num_attention_heads"]
-  kwargs = dict(
+  return dict(
+      # transformers' family defaults where config.json leaves them out (GLM-4.5 0.5, Qwen3-Next 0.25).
+      partial_rotary_factor=float(config.get("partial_rotary_factor", rope.get(
+          "partial_rotary_factor", _FAMILY_PARTIAL_ROTARY.get(model_type, 1.0)))),
+      # ERNIE-4.5 rotates interleaved pairs (transformers' ernie4_5 rotate_half, SGLang's
+      # rope_is_neox_style False); DeepSeek-V3 says so in rope_interleave.
+      rope_interleave=bool(config.get("rope_interleave", model_type in _INTERLEAVED_ROPE)),
+      rope_scaling=scaling,
+      qk_norm=bool(config.get("use_qk_norm", False)),  # GLM-4.5's per-head q / k RMSNorms
       hidden_size=config["hidden_size"],
       num_heads=heads,
       num_kv_heads=config.get("num_key_value_heads") or heads,
@@ -111,13 +182,25 @@ def config_from_hf(config: Mapping | str | os.PathLike, *, layout: str | None = 
       rms_norm_eps=config.get("rms_norm_eps", 1e-6),
       rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
       # Qwen2-family configs (MiMo) have no attention_bias key: their q, k, v always carry biases.
-      attention_bias=config.get("attention_bias", config.get("model_type") in ("qwen2", "mimo")),
-      vocab_size=config["vocab_size"],
-      num_modules=num_modules,
+      attention_bias=config.get("attention_bias", model_type in ("qwen2", "mimo")),
   )
-  if layout is not None:
-    kwargs["pass_normed_hidden"] = _PASS_NORMED_HIDDEN.get(layout, False)
-  return MtpConfig(**kwargs)
+
+
+def config_from_hf(config: Mapping | str | os.PathLike, *, layout: str | None = None) -> MtpConfig:
+  """An MtpConfig from an HF config.json (dict or path), or from one written by save_canonical.
+
+  The chain conventions are the family's (CONVENTIONS, by model_type, else by `layout`);
+  a config of neither keeps MtpConfig's defaults. Settings mtp_jax cannot honour (RoPE
+  scaling, partial rotary, non-SiLU MLPs) raise ValueError.
+  """
+  config = _load_json(config)
+  if "mtp_jax" in config:
+    return MtpConfig(**config["mtp_jax"])
+  num_modules = next((config[k] for k in _NUM_MTP_KEYS if config.get(k)), None)
+  if num_modules is None:
+    raise ValueError(f"config has no MTP modules (none of {_NUM_MTP_KEYS} is set and positive)")
+  return MtpConfig(**block_kwargs_from_hf(config), vocab_size=config["vocab_size"], num_modules=num_modules,
+                   **conventions(family_of(config, layout)))
 
 
 def _swap_halves(w: np.ndarray) -> np.ndarray:
@@ -139,7 +222,7 @@ def _first_deepseek_layer(names: Iterable[str]) -> int:
   return min(layers)
 
 
-def _plan(layout, cfg, names, first_layer):
+def _plan(layout, cfg, names, first_layer, tied):
   """(canonical name -> (source names, transform, stacked), scope prefixes).
 
   The source names hold one equal tensor, or with stacked one expert each, in order.
@@ -166,6 +249,19 @@ def _plan(layout, cfg, names, first_layer):
     source = lambda i, s: (prefixes[i] + _MIMO_NAMES.get(s, s),
                            _swap_halves if s == "eh_proj.weight" else None)
     # MiMo's q, k, v biases sit where the canonical ones do: no renaming needed.
+  elif layout == "ernie":
+    prefixes = [f"model.{part}.{i}." for i in ks
+                for part in ("mtp_block", "mtp_emb_norm", "mtp_hidden_norm", "mtp_linear_proj")]
+    source = lambda i, s: (_ERNIE_NAMES[s].format(i=i) if s in _ERNIE_NAMES else f"model.mtp_block.{i}.{s}",
+                           None)
+  elif layout == "longcat":
+    prefixes = [f"model.mtp.layers.{i}." for i in ks] + ["model.mtp.norm.", "model.mtp.embed_tokens."]
+    source = lambda i, s: ("model.mtp.norm.weight" if s == "shared_head.norm.weight" else
+                           f"model.mtp.layers.{i}.{_LONGCAT_NAMES.get(s, s)}", None)
+    embed = [n for n in ["model.mtp.embed_tokens.weight"] if n in names] or embed
+  elif layout == "mimo_v2":
+    prefixes = [f"model.mtp.layers.{i}." for i in ks]
+    source = lambda i, s: (f"model.mtp.layers.{i}.{_MIMO_V2_NAMES.get(s, s)}", None)
   elif layout == "qwen3_next":
     prefixes = [f"mtp.layers.{i}." for i in ks] + [
         n.removesuffix("weight") for n in _QWEN3_NEXT_SHARED.values()]
@@ -173,6 +269,8 @@ def _plan(layout, cfg, names, first_layer):
                            _plus_one if s.endswith("norm.weight") else None)
   else:
     raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
+  if tied:  # tie_word_embeddings: the LM head is the (main) embedding matrix
+    head = embed
   plan = {}
   for i in ks:
     for s in suffixes:
@@ -195,16 +293,17 @@ def _shape(source, name: str) -> tuple[int, ...]:
 
 
 def to_canonical(source: Mapping | CheckpointReader, layout: str, cfg: MtpConfig, *,
-                 first_layer: int | None = None) -> dict[str, np.ndarray]:
+                 first_layer: int | None = None, tied: bool = False) -> dict[str, np.ndarray]:
   """Canonical name -> tensor, with the shapes of `canonical_shapes(cfg)` (e.g. float32[V, D]).
 
   source: name -> array in `layout`, or a CheckpointReader (then only the needed tensors load).
   first_layer: deepseek only, the layer index of MTP module 0 (HF num_hidden_layers); by default
-  the lowest layer holding an eh_proj. Dtypes stay as stored, except that Qwen3-Next norm
-  weights come back float32. Arrays read once (a shared Qwen3-Next fc) are shared between names.
+  the lowest layer holding an eh_proj. tied: the checkpoint ties the LM head to the embedding
+  (config tie_word_embeddings), so lm_head.weight is read from the embedding. Dtypes stay as
+  stored, except that Qwen3-Next norm weights come back float32. Arrays read once (a shared Qwen3-Next fc) are shared between names.
   """
   names = set(source.keys())
-  plan, prefixes = _plan(layout, cfg, names, first_layer)
+  plan, prefixes = _plan(layout, cfg, names, first_layer, tied)
   used = {n for sources, _, _ in plan.values() for n in sources}
   unused = sorted(n for n in names if n.startswith(prefixes) and n not in used)
   if unused:
@@ -259,7 +358,8 @@ def read_mtp_checkpoint(path, *,
     layout = layout or detect_layout(reader.keys())
     cfg = config_from_hf(hf, layout=layout)
     first_layer = hf.get("num_hidden_layers") if layout == "deepseek" else None
-    return cfg, to_canonical(reader, layout, cfg, first_layer=first_layer)
+    return cfg, to_canonical(reader, layout, cfg, first_layer=first_layer,
+                             tied=bool(hf.get("tie_word_embeddings", False)))
 
 
 def _unstack_experts(tensors: Mapping) -> dict:

@@ -1,9 +1,10 @@
 """The MTP modules (DeepSeek-V3 layout, dense blocks), their state dicts and a cache-free chain forward.
 
-Module m (0-based i = m - 1), row j:
-    x = eh_proj(concat(enorm(E[t_{j+m}]), hnorm(h^{m-1}_j)))
+Depth m (0-based i = m - 1) runs module cfg.module_of(i); row j:
+    x = eh_proj(concat(enorm(E[t_{j+m}]), hnorm(h^{m-1}_j)))   # E[t] zeroed at position 0 if configured
     h^m_j = Block(x)            # RoPE position j + m
-    logits^m_j = lm_head(shared_head_norm(h^m_j))
+    logits^m_j = lm_head(shared_head_norm(h^m_j))              # no norm when cfg.head_norm is off
+    depth m + 1 reads shared_head_norm(h^m_j) or h^m_j        # cfg.pass_normed_hidden
 """
 
 from __future__ import annotations
@@ -21,7 +22,10 @@ from mtp_jax.config import MtpConfig
 
 
 class MtpModule(nnx.Module):
-  """One MTP depth: enorm / hnorm, eh_proj, a Block with its own KV cache, shared_head norm."""
+  """One MTP module: enorm / hnorm, eh_proj, a Block, the shared_head norm (when cfg.head_norm).
+
+  Each depth that runs it has a KV cache of its own (the proposer's state holds them).
+  """
 
   def __init__(self, cfg: MtpConfig, *, rngs: nnx.Rngs):
     d, dt, eps = cfg.hidden_size, cfg.jnp_dtype, cfg.rms_norm_eps
@@ -29,7 +33,8 @@ class MtpModule(nnx.Module):
     self.hnorm = RMSNorm(d, eps=eps, dtype=dt, unit_offset=cfg.norm_unit_offset)
     self.eh_proj = Linear(2 * d, d, dtype=dt, rngs=rngs)
     self.block = Block(cfg.block_config(), rngs=rngs)
-    self.shared_head_norm = RMSNorm(d, eps=eps, dtype=dt, unit_offset=cfg.norm_unit_offset)
+    self.shared_head_norm = (RMSNorm(d, eps=eps, dtype=dt, unit_offset=cfg.norm_unit_offset)
+                             if cfg.head_norm else None)
 
   def __call__(self, emb_BxTxD, h_BxTxD, rows_BxT, valid_BxT, cache: KVCache | None, rope_offset: int):
     """Returns (h^m dtype[B, T, D] before the head norm, new cache)."""
@@ -50,13 +55,33 @@ class MtpModel(nnx.Module):
     self.layers = nnx.List([MtpModule(cfg, rngs=rngs) for _ in range(cfg.num_modules)])
     self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.jnp_dtype, rngs=rngs)
 
+  def module(self, i: int) -> MtpModule:
+    """The module depth i runs (cfg.module_of(i))."""
+    return self.layers[self.cfg.module_of(i)]
+
+  def embed(self, i: int, tokens_BxT: jax.Array, rows_BxT: jax.Array) -> jax.Array:
+    """dtype[B, T, D] embeddings of depth i's input tokens at rows rows_BxT.
+
+    With cfg.mask_first_embedding, position 0 (depth 0, row 0) gets a zero embedding: vLLM's
+    MTP layers zero the embedding where the hidden's position is 0, and depth i row j reads
+    the hidden of position j + i.
+    """
+    emb = self.embed_tokens(tokens_BxT)
+    if self.cfg.mask_first_embedding and i == 0:
+      emb = jnp.where((rows_BxT == 0)[..., None], jnp.zeros_like(emb), emb)
+    return emb
+
+  def _head_input(self, i: int, h_BxTxD: jax.Array) -> jax.Array:
+    norm = self.module(i).shared_head_norm
+    return h_BxTxD if norm is None else norm(h_BxTxD)
+
   def next_hidden(self, i: int, h_BxTxD: jax.Array) -> jax.Array:
-    """What module i hands to module i + 1: its residual stream, or the normed one if configured."""
-    return self.layers[i].shared_head_norm(h_BxTxD) if self.cfg.pass_normed_hidden else h_BxTxD
+    """What depth i hands to depth i + 1: its residual stream, or the normed one if configured."""
+    return self._head_input(i, h_BxTxD) if self.cfg.pass_normed_hidden else h_BxTxD
 
   def logits(self, i: int, h_BxTxD: jax.Array) -> jax.Array:
-    """float32[..., V] logits of module i from its hidden h^{i+1}."""
-    return self.lm_head(self.layers[i].shared_head_norm(h_BxTxD)).astype(jnp.float32)
+    """float32[..., V] logits of depth i from its hidden h^{i+1}."""
+    return self.lm_head(self._head_input(i, h_BxTxD)).astype(jnp.float32)
 
 
 def init_mtp(cfg: MtpConfig, seed: int = 0) -> MtpModel:
@@ -114,7 +139,7 @@ def load_state_dict(cfg: MtpConfig, tensors: Mapping) -> MtpModel:
   Names: mtp.{i}.{enorm,hnorm}.weight [D], mtp.{i}.eh_proj.weight [D, 2D],
   mtp.{i}.input_layernorm.weight, mtp.{i}.self_attn.{q,k,v,o}_proj.weight (+ .bias for q, k, v
   when cfg.attention_bias), mtp.{i}.post_attention_layernorm.weight, mtp.{i}.mlp.{gate,up,down}_proj.weight,
-  mtp.{i}.shared_head.norm.weight, embed_tokens.weight [V, D], lm_head.weight [V, D].
+  mtp.{i}.shared_head.norm.weight (when cfg.head_norm), embed_tokens.weight [V, D], lm_head.weight [V, D].
   """
   model = init_mtp(cfg)
   return assign_state_dict(model, param_names(model, canonical_name), tensors, "load_state_dict")
@@ -128,12 +153,12 @@ def forward_chain(model: MtpModel, hiddens_BxTxD: jax.Array, tokens_BxU: jax.Arr
     hiddens_BxTxD: float[B, T, D] target hiddens h^0_j at rows j = 0..T-1.
     tokens_BxU: int32[B, U], U >= T + K - 1: tokens_BxU[:, u] = t_{u+1}; module m row j reads
       t_{j+m} = tokens_BxU[:, j + m - 1].
-    num_modules: run only the first modules (default all K).
+    num_modules: run only the first depths (default all cfg.num_depths).
   Returns:
-    float32[K, B, T, V]: row j of module m predicts t_{j+m+1}.
+    float32[K, B, T, V]: row j of depth m predicts t_{j+m+1}.
   """
   b, t, _ = hiddens_BxTxD.shape
-  k = num_modules or model.cfg.num_modules
+  k = num_modules or model.cfg.num_depths
   if tokens_BxU.shape[1] < t + k - 1:
     raise ValueError(f"tokens_BxU needs at least T + K - 1 = {t + k - 1} columns, got {tokens_BxU.shape[1]}")
   rows_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -141,8 +166,8 @@ def forward_chain(model: MtpModel, hiddens_BxTxD: jax.Array, tokens_BxU: jax.Arr
   h = hiddens_BxTxD.astype(model.cfg.jnp_dtype)
   out = []
   for i in range(k):
-    emb = model.embed_tokens(tokens_BxU[:, i:i + t])
-    h, _ = model.layers[i](emb, h, rows_BxT, valid_BxT, None, rope_offset=i + 1)
+    emb = model.embed(i, tokens_BxU[:, i:i + t], rows_BxT)
+    h, _ = model.module(i)(emb, h, rows_BxT, valid_BxT, None, rope_offset=i + 1)
     out.append(model.logits(i, h))
     h = model.next_hidden(i, h)
   return jnp.stack(out)

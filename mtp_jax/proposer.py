@@ -1,26 +1,27 @@
 """The proposer state and its pure functions: `init_state`, `propose`, `after_verify`, `reset_slots`.
 
-State layout (all per sequence b of the batch; K modules, 0-based i = m - 1):
+State layout (all per sequence b of the batch; K = cfg.num_depths depths, 0-based i = m - 1;
+depth i runs module cfg.module_of(i), so depths past the module count reuse weights):
 
-- `kv[i]`: module i's KV cache, rows 0..L-1 (position-addressed, row j at index j).
-- `lengths[i, b]`: rows of module i written so far; `lengths[i, b] <= num_pos[b]`.
+- `kv[i]`: depth i's KV cache, rows 0..L-1 (position-addressed, row j at index j).
+- `lengths[i, b]`: rows of depth i written so far; `lengths[i, b] <= num_pos[b]`.
 - `num_pos[b]`: P + 1, the positions whose target hidden the chain has consumed.
-- `tail[i]`: a ring of the last R = K hiddens module i handed on (row j at slot j % R). A deeper
-  module lags its predecessor by up to K - 1 rows after a rejection, and catching those rows up
+- `tail[i]`: a ring of the last R = K hiddens depth i handed on (row j at slot j % R). A deeper
+  depth lags its predecessor by up to K - 1 rows after a rejection, and catching those rows up
   needs the predecessor's hiddens from an earlier call.
 - `num_drafted[b]`: drafts of the last `propose` not yet settled by `after_verify` (0 = none).
 - `draft_probs`: float32[B, K, V], the distributions the drafts were drawn from (only when asked
   for by `init_state(keep_draft_probs=True)`; lossless sampling verification needs them).
 
-Row j of module i depends on t_{j+i+1}; after a propose at newest position P, rows with
+Row j of depth i depends on t_{j+i+1}; after a propose at newest position P, rows with
 j + i + 1 > P + 1 used drafts. `after_verify(a)` keeps rows j <= P + 1 + a - (i + 1).
-The next `propose` recomputes module i from `lengths[i]` up to the new P': at most
-T + i rows, so module i's window is the static T + i.
+The next `propose` recomputes depth i from `lengths[i]` up to the new P': at most
+T + i rows, so depth i's window is the static T + i.
 
-With `num_drafts = k < K` and `catch_up=True`, modules k..K-1 still run, but only over rows whose
+With `num_drafts = k < K` and `catch_up=True`, depths k..K-1 still run, but only over rows whose
 inputs are all verified (catch-up), so a later call with a larger k finds them within their
-window. A caller that keeps k fixed passes `catch_up=False`: only the k drafting modules run, and
-the static `num_live` of the state records that modules k..K-1 fell behind, so a later call that
+window. A caller that keeps k fixed passes `catch_up=False`: only the k drafting depths run, and
+the static `num_live` of the state records that depths k..K-1 fell behind, so a later call that
 would need them (more drafts, or a catch-up) is refused instead of drafting from stale rows.
 """
 
@@ -93,7 +94,7 @@ def init_state(cfg: MtpConfig, batch_size: int, max_len: int, *, keep_draft_prob
   max_len = validate.positive_int("max_len", max_len)
   keep_draft_probs = validate.flag("keep_draft_probs", keep_draft_probs)
   dtype = cfg.jnp_dtype if dtype is None else validate.float_dtype("dtype", dtype)
-  k, d = cfg.num_modules, cfg.hidden_size
+  k, d = cfg.num_depths, cfg.hidden_size
   pages = allocator(batch_size, max_len, page_size, num_pages)
   return ProposerState(
       kv=tuple(init_cache(cfg, batch_size, max_len, dtype) if pages is None else
@@ -123,8 +124,8 @@ def _check_propose_args(params, state, hiddens, tokens, num_new, num_drafts, cat
   validate.instance("params", params, MtpModel, "an MtpModel")
   cfg = params.cfg
   _check_state(state, cfg)
-  num_drafts = validate.integer("num_drafts", num_drafts, 1, cfg.num_modules)
-  run = cfg.num_modules if catch_up else num_drafts
+  num_drafts = validate.integer("num_drafts", num_drafts, 1, cfg.num_depths)
+  run = cfg.num_depths if catch_up else num_drafts
   if run > state.num_live:
     raise validate.InvalidValue(
         "num_drafts", f"this call needs modules 0..{run - 1} current, but a propose with catch_up=False left "
@@ -172,7 +173,7 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
   """Catches the chain up on the newly verified positions and drafts `num_drafts` tokens.
 
   Args:
-    params: MtpModel with K modules.
+    params: MtpModel; its cfg.num_depths = K depths run.
     state: ProposerState from `init_state` (or a previous call).
     hiddens: float[B, T, D] target hiddens h0_j at the new verified positions j = num_pos..,
       left-aligned, padded to a static T.
@@ -247,7 +248,7 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
                                          grammar_state_B):
       checkify.check(ok, msg)
   b, t, _ = hiddens_BxTxD.shape
-  ring = cfg.num_modules
+  ring = cfg.num_depths
   b_idx = jnp.arange(b)[:, None]
   num_pos_B = state.num_pos
   # A propose over unsettled drafts treats them as all rejected (after_verify with a = 0).
@@ -263,7 +264,7 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
   new_lengths, drafts, probs = [], [], []
   prev_h_BxWxD, prev_start_B = hiddens_BxTxD.astype(cfg.jnp_dtype), num_pos_B
   g_state_B = grammar_state_B
-  num_run = cfg.num_modules if catch_up else num_drafts
+  num_run = cfg.num_depths if catch_up else num_drafts
   for i in range(num_run):
     drafting = i < num_drafts
     w = t + i
@@ -287,8 +288,8 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
       ring_h = _gather_rows(state.tail[i - 1], rows_BxW % ring)
       h_BxWxD = jnp.where((idx_BxW < 0)[..., None], ring_h, h_BxWxD)
 
-    emb_BxWxD = params.embed_tokens(tok_BxW)
-    out_BxWxD, kv[i] = params.layers[i](emb_BxWxD, h_BxWxD, rows_BxW, valid_BxW, kv[i], rope_offset=i + 1)
+    emb_BxWxD = params.embed(i, tok_BxW, rows_BxW)
+    out_BxWxD, kv[i] = params.module(i)(emb_BxWxD, h_BxWxD, rows_BxW, valid_BxW, kv[i], rope_offset=i + 1)
     next_h_BxWxD = params.next_hidden(i, out_BxWxD)
     if i < num_run - 1:  # the ring is read only by the next module
       keep_BxW = valid_BxW & (rows_BxW >= limit_B[:, None] - ring)

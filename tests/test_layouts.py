@@ -22,7 +22,7 @@ QWEN_NAMES = {"enorm.weight": "mtp.pre_fc_norm_embedding.weight",
 def tiny_cfg(bias=False, layout="deepseek"):
   return MtpConfig(hidden_size=D, num_heads=H, num_kv_heads=HKV, head_dim=DH, intermediate_size=F,
                    rms_norm_eps=1e-5, rope_theta=5000.0, attention_bias=bias, vocab_size=V,
-                   num_modules=K, pass_normed_hidden=layout in ("mimo", "qwen3_next"))
+                   num_modules=K, **layouts.conventions(layouts.family_of({}, layout)))
 
 
 def canonical_tensors(cfg, seed=0, shared_across_modules=False):
@@ -102,7 +102,7 @@ def hf_config(layout, cfg):
       config["attention_bias"] = False
   else:
     config |= {"model_type": "qwen3_next", "mtp_num_hidden_layers": K,
-               "attention_bias": cfg.attention_bias}
+               "attention_bias": cfg.attention_bias, "partial_rotary_factor": 1.0}  # default 0.25
   return config
 
 
@@ -263,10 +263,17 @@ def test_detect_layout():
 
 def test_config_from_hf(tmp_path):
   config = hf_config("deepseek", tiny_cfg())
-  assert layouts.config_from_hf(config) == dataclasses.replace(tiny_cfg(), pass_normed_hidden=False)
+  assert layouts.config_from_hf(config) == tiny_cfg()
   path = tmp_path / "config.json"
-  path.write_text(json.dumps(config))
-  assert layouts.config_from_hf(path, layout="mimo").pass_normed_hidden
+  path.write_text(json.dumps({k: v for k, v in config.items() if k != "model_type"}))
+  assert layouts.config_from_hf(path) == dataclasses.replace(tiny_cfg(), mask_first_embedding=False)
+  assert layouts.config_from_hf(path, layout="mimo").mask_first_embedding
+  ernie = layouts.config_from_hf({**config, "model_type": "ernie4_5"})
+  assert (ernie.pass_normed_hidden, ernie.head_norm, ernie.mask_first_embedding) == (False, False, True)
+  assert ernie.rope_interleave
+  # transformers' family defaults when config.json leaves them out.
+  assert layouts.config_from_hf({**config, "model_type": "glm4_moe"}).partial_rotary_factor == 0.5
+  assert layouts.config_from_hf({**config, "model_type": "qwen3_next"}).partial_rotary_factor == 0.25
   # Defaults: head_dim from hidden / heads, kv heads from heads; transformers v5 rope_parameters.
   slim = {k: v for k, v in config.items()
           if k not in ("head_dim", "num_key_value_heads", "rope_theta", "attention_bias")}
@@ -276,7 +283,7 @@ def test_config_from_hf(tmp_path):
   assert not got.attention_bias
   assert layouts.config_from_hf({**slim, "model_type": "mimo"}).attention_bias
   for bad, match in [({"rope_scaling": {"type": "yarn", "factor": 40}}, "yarn"),
-                     ({"partial_rotary_factor": 0.5}, "partial"),
+                     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
                      ({"hidden_act": "gelu"}, "gelu"),
                      ({"num_nextn_predict_layers": 0}, "MTP")]:
     with pytest.raises(ValueError, match=match):

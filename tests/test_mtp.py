@@ -46,16 +46,29 @@ def _block(sd, p, x, pos, cfg):
 
 
 def reference_chain(sd, hid_TxD, tokens_U, cfg):
-  """Module m row j: eh_proj(concat(enorm(E[t_{j+m}]), hnorm(h^{m-1}_j))) -> block at position j + m."""
+  """Depth m row j: eh_proj(concat(enorm(E[t_{j+m}]), hnorm(h^{m-1}_j))) -> block at position j + m.
+
+  Written from the conventions' definitions: depth i runs module i (i < K), else i mod K ("cycle")
+  or K - 1 ("last"); the embedding of position 0 is zeroed when mask_first_embedding; the head
+  norm is skipped when head_norm is off; the next depth reads the head-normed hidden when
+  pass_normed_hidden.
+  """
   t = hid_TxD.shape[0]
+  k = cfg.max_depth or cfg.num_modules
   h, out = hid_TxD, []
-  for i in range(cfg.num_modules):
-    p = f"mtp.{i}."
-    e = _rms(sd["embed_tokens.weight"][tokens_U[i:i + t]], sd[p + "enorm.weight"], cfg.rms_norm_eps)
+  for i in range(k):
+    mod = i if i < cfg.num_modules else (i % cfg.num_modules if cfg.depth_reuse == "cycle" else cfg.num_modules - 1)
+    p = f"mtp.{mod}."
+    emb = sd["embed_tokens.weight"][tokens_U[i:i + t]].copy()
+    if cfg.mask_first_embedding and i == 0:
+      emb[0] = 0.0
+    e = _rms(emb, sd[p + "enorm.weight"], cfg.rms_norm_eps)
     g = _rms(h, sd[p + "hnorm.weight"], cfg.rms_norm_eps)
     x = np.concatenate([e, g], -1) @ sd[p + "eh_proj.weight"].T
     h = _block(sd, p, x, np.arange(t) + i + 1, cfg)
-    out.append(_rms(h, sd[p + "shared_head.norm.weight"], cfg.rms_norm_eps) @ sd["lm_head.weight"].T)
+    normed = _rms(h, sd[p + "shared_head.norm.weight"], cfg.rms_norm_eps) if cfg.head_norm else h
+    out.append(normed @ sd["lm_head.weight"].T)
+    h = normed if cfg.pass_normed_hidden else h
   return np.stack(out)
 
 
@@ -85,11 +98,42 @@ def test_chain_matches_numpy_reference(bias):
   np.testing.assert_allclose(got[:, 0], want, rtol=2e-4, atol=2e-4)
 
 
+CONVENTIONS = {
+    "residual": dict(pass_normed_hidden=False),
+    "no_head_norm": dict(pass_normed_hidden=False, head_norm=False),
+    "mask_first": dict(mask_first_embedding=True),
+    "cycle": dict(max_depth=5, depth_reuse="cycle"),
+    "last": dict(max_depth=4, depth_reuse="last"),
+}
+
+
+@pytest.mark.parametrize("name", CONVENTIONS)
+def test_conventions_match_numpy_reference(name):
+  cfg = mtp_jax.MtpConfig(**{**CFG.__dict__, **CONVENTIONS[name]})
+  sd = _random_state_dict(cfg, 4)
+  model = mtp_jax.load_state_dict(cfg, {k: v.astype(np.float32) for k, v in sd.items()})
+  rng = np.random.default_rng(5)
+  hid = rng.normal(size=(6, cfg.hidden_size))
+  toks = rng.integers(0, cfg.vocab_size, 6 + cfg.num_depths - 1)
+  got = np.asarray(mtp_jax.forward_chain(model, jnp.asarray(hid[None], jnp.float32), jnp.asarray(toks[None])))
+  assert got.shape[0] == cfg.num_depths
+  np.testing.assert_allclose(got[:, 0], reference_chain(sd, hid, toks, cfg), rtol=2e-4, atol=2e-4)
+
+
+def test_module_of():
+  cyc = mtp_jax.MtpConfig(**{**CFG.__dict__, "num_modules": 2, "max_depth": 5})
+  last = mtp_jax.MtpConfig(**{**CFG.__dict__, "num_modules": 2, "max_depth": 5, "depth_reuse": "last"})
+  assert [cyc.module_of(i) for i in range(5)] == [0, 1, 0, 1, 0]
+  assert [last.module_of(i) for i in range(5)] == [0, 1, 1, 1, 1]
+  with pytest.raises(ValueError, match=r"depth 5 is outside 0..num_depths-1=4"):
+    cyc.module_of(5)
+
+
 def test_normed_hidden_lever_changes_what_the_next_module_reads():
   sd = _random_state_dict(CFG, 3)
   f32 = {k: v.astype(np.float32) for k, v in sd.items()}
-  normed = mtp_jax.load_state_dict(mtp_jax.MtpConfig(**{**CFG.__dict__, "pass_normed_hidden": True}), f32)
-  raw = mtp_jax.load_state_dict(CFG, f32)
+  normed = mtp_jax.load_state_dict(CFG, f32)
+  raw = mtp_jax.load_state_dict(mtp_jax.MtpConfig(**{**CFG.__dict__, "pass_normed_hidden": False}), f32)
   hid = jnp.asarray(np.random.default_rng(0).normal(size=(1, 5, CFG.hidden_size)), jnp.float32)
   toks = jnp.arange(6)[None] % CFG.vocab_size
   a, b = mtp_jax.forward_chain(raw, hid, toks), mtp_jax.forward_chain(normed, hid, toks)
@@ -131,3 +175,7 @@ def test_config_errors():
     mtp_jax.MtpConfig(**{**CFG.__dict__, "num_heads": 3})
   with pytest.raises(ValueError, match=r"MtpConfig.num_modules must be an int in 1\.\.2147483647, got 0"):
     mtp_jax.MtpConfig(**{**CFG.__dict__, "num_modules": 0})
+  with pytest.raises(ValueError, match=r"depth_reuse must be one of \('cycle', 'last'\), got 'first'"):
+    mtp_jax.MtpConfig(**{**CFG.__dict__, "depth_reuse": "first"})
+  with pytest.raises(ValueError, match=r"pass_normed_hidden needs head_norm"):
+    mtp_jax.MtpConfig(**{**CFG.__dict__, "head_norm": False})

@@ -1,6 +1,5 @@
 """The proposer's contract: exact drafts over any history, purity, errors, reset, static program."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +15,9 @@ K, V, D, MAX_LEN, PROMPT_T = 3, 48, 32, 48, 12
 CFG = mtp_jax.MtpConfig(vocab_size=V, hidden_size=D, num_heads=4, num_kv_heads=2, head_dim=8,
                         intermediate_size=64, num_modules=K)
 MODEL = mtp_jax.init_mtp(CFG, seed=3)
+# Two modules run as five depths (module reuse, vLLM's cycle), position 0's embedding masked.
+REUSE_CFG = mtp_jax.MtpConfig(**{**CFG.__dict__, "num_modules": 2, "max_depth": 5, "mask_first_embedding": True})
+REUSE_MODEL = mtp_jax.init_mtp(REUSE_CFG, seed=4)
 NEAR_TIE = 1e-4
 
 
@@ -32,11 +34,12 @@ def reference_drafts(hid_PxD, toks, k, model=MODEL):
   h = np.zeros((1, MAX_LEN, D), np.float32)
   h[0, :p + 1] = hid_PxD
   drafts, gaps = [], []
+  depths = model.cfg.num_depths
   for m in range(1, k + 1):
-    ext = np.zeros((1, MAX_LEN + K - 1), np.int32)
+    ext = np.zeros((1, MAX_LEN + depths - 1), np.int32)
     seq = list(toks) + drafts
     ext[0, :len(seq)] = seq
-    logits = np.asarray(_ref_logits(model, jnp.asarray(h), jnp.asarray(ext), K))[m - 1, 0, p]
+    logits = np.asarray(_ref_logits(model, jnp.asarray(h), jnp.asarray(ext), depths))[m - 1, 0, p]
     top2 = np.sort(logits)[-2:]
     drafts.append(int(np.argmax(logits)))
     gaps.append(float(top2[1] - top2[0]))
@@ -54,7 +57,7 @@ class Sim:
   """Drives propose / after_verify over a ragged batch and keeps each sequence's verified history."""
 
   def __init__(self, prompt_lens, seed, batch_size=None, model=MODEL):
-    self.model = model
+    self.model, self.depths = model, model.cfg.num_depths
     self.rng = np.random.default_rng(seed)
     self.b = batch_size or len(prompt_lens)
     self.hid = [self.rng.normal(size=(n, D)).astype(np.float32) for n in prompt_lens]
@@ -76,7 +79,7 @@ class Sim:
   def verify(self, drafts, accepted):
     """Accepts `accepted[b]` drafts, appends a random bonus; returns the next propose inputs."""
     self.state = mtp_jax.after_verify(self.state, np.asarray(accepted, np.int32))
-    t_pad = K + 1
+    t_pad = self.depths + 1
     h = np.zeros((self.b, t_pad, D), np.float32)
     t = np.zeros((self.b, t_pad), np.int32)
     n = np.zeros((self.b,), np.int32)
@@ -127,6 +130,22 @@ def test_long_history_with_every_accept_pattern(model=MODEL, repeats=2):
     k = step % K + 1
     drafts = sim.call(h, t, n, k)
     sim.check(drafts, k)
+
+
+def test_depths_past_the_module_count_stay_exact():
+  """Five depths over two modules (each depth its own cache), position 0 masked: drafts equal the
+  full recompute of the same rule for every k up to max_depth, over rejections and acceptances."""
+  sim = Sim([5, 1, 9], seed=8, model=REUSE_MODEL)
+  k, drafts = 5, sim.first_call(5)
+  sim.check(drafts, k)
+  for step, acc in enumerate([[0, 5, 2], [5, 0, 4], [1, 3, 0], [2, 2, 5]]):
+    acc = [min(a, k) for a in acc]
+    h, t, n = sim.verify(drafts, acc)
+    k = [3, 5, 1, 4][step]
+    drafts = sim.call(h, t, n, k)
+    sim.check(drafts, k)
+  with pytest.raises(ValueError, match=r"num_drafts must be an int in 1\.\.5, got 6"):
+    sim.call(h, t, n, 6)
 
 
 def _snapshot(tree):

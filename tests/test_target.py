@@ -40,12 +40,13 @@ def test_cached_chunks_equal_full_forward_on_ragged_batch():
 
 
 def test_normed_hidden_lever():
-  cfg = mtp_jax.TargetConfig(**{**TCFG.__dict__, "output_normed_hidden": True})
+  cfg = mtp_jax.TargetConfig(**{**TCFG.__dict__, "output_normed_hidden": False})
   model = mtp_jax.load_target_state_dict(cfg, mtp_jax.target_state_dict(TARGET))
   toks = jnp.asarray([[1, 2, 3]], jnp.int32)
   rows, valid = jnp.arange(3)[None], jnp.ones((1, 3), bool)
-  _, h_raw, _ = TARGET(toks, rows, valid, None)
-  _, h_normed, _ = model(toks, rows, valid, None)
+  assert TARGET.cfg.output_normed_hidden  # the default: what engines and transformers feed module 1
+  _, h_raw, _ = model(toks, rows, valid, None)
+  _, h_normed, _ = TARGET(toks, rows, valid, None)
   np.testing.assert_allclose(h_normed, TARGET.norm(h_raw), rtol=1e-6)
   assert not np.allclose(h_raw, h_normed)
 

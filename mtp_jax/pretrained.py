@@ -1,0 +1,146 @@
+"""A released model directory (config.json, safetensors shards + index, tokenizer.json) -> the
+target, its MTP proposer and a tokenizer.
+
+    target, proposer, config = from_pretrained("path/to/model", dtype="bfloat16", max_depth=3)
+
+Targets: dense GQA decoders of the Llama / Qwen2 / MiMo, GLM-4.5 (every layer dense) and ERNIE-4.5
+families. MTP modules: every layout of `layouts` whose blocks are dense GQA. The chain follows the
+family's conventions (`layouts.CONVENTIONS`); keyword arguments override them.
+Tensors are read lazily (only the ones used, never whole shards) and placed straight into the
+model, with no random initialisation first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+
+import jax.numpy as jnp
+import numpy as np
+import tokenizers
+from flax import nnx
+
+from mtp_jax import layouts
+from mtp_jax.checkpoint import CheckpointReader
+from mtp_jax.config import MtpConfig, TargetConfig
+from mtp_jax.mtp import MtpModel, canonical_name, param_names
+from mtp_jax.target import TargetModel, _hf_name
+
+# HF model_types whose target mtp_jax builds (their MTP modules and other families' load alone).
+_TARGET_TYPES = ("llama", "qwen2", "mimo", "glm4_moe", "ernie4_5")
+
+
+def read_config(path) -> dict:
+  """config.json of a model directory, as a dict."""
+  file = os.path.join(os.fspath(path), "config.json")
+  if not os.path.isfile(file):
+    raise FileNotFoundError(f"{path} is not a model directory: no config.json")
+  with open(file) as f:
+    return json.load(f)
+
+
+def _dtype(config: Mapping, dtype) -> str:
+  # bf16 checkpoints stay bf16 unless asked otherwise; configs name the dtype "torch_dtype" (v4) or "dtype".
+  name = dtype or config.get("dtype") or config.get("torch_dtype") or "float32"
+  return jnp.dtype(name).name
+
+
+def target_config_from_hf(config: Mapping, *, dtype=None) -> TargetConfig:
+  """A TargetConfig from an HF config.json dict; families or settings mtp_jax cannot run raise."""
+  model_type = config.get("model_type")
+  if model_type not in _TARGET_TYPES:
+    raise NotImplementedError(f"config.json: model_type {model_type!r} has no target mtp_jax can build "
+                              f"(supported: {', '.join(_TARGET_TYPES)})")
+  if model_type == "glm4_moe":
+    dense = config.get("first_k_dense_replace", 1)
+    if dense < config["num_hidden_layers"]:
+      raise NotImplementedError(f"config.json: glm4_moe layers {dense}..{config['num_hidden_layers'] - 1} are "
+                                "MoE (first_k_dense_replace < num_hidden_layers); only dense targets run")
+  return TargetConfig(**layouts.block_kwargs_from_hf(config), vocab_size=config["vocab_size"],
+                      num_layers=config["num_hidden_layers"], dtype=_dtype(config, dtype))
+
+
+def _build(ctor, canonical, tensors: Mapping, dtype, what: str):
+  """ctor() as an abstract model, its params filled from tensors (canonical name -> array)."""
+  abstract = nnx.eval_shape(ctor)
+  graphdef, state = nnx.split(abstract)
+  flat = []
+  for path, var in nnx.to_flat_state(state):
+    name = canonical(".".join(str(p) for p in path))
+    if name not in tensors:
+      raise KeyError(f"{what}: missing tensor {name!r} (shape {tuple(var.shape)})")
+    value = tensors[name]
+    if tuple(value.shape) != tuple(var.shape):
+      raise ValueError(f"{what}: tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(var.shape)}")
+    flat.append((path, var.replace(jnp.asarray(value, dtype))))
+  return nnx.merge(graphdef, nnx.from_flat_state(flat))
+
+
+def _target_tensors(reader: CheckpointReader, config: Mapping, cfg: TargetConfig) -> dict[str, np.ndarray]:
+  """HF name -> array for every target param; lm_head from the embedding when tied."""
+  names = set(reader.keys())
+  want = set(param_names(nnx.eval_shape(lambda: TargetModel(cfg, rngs=nnx.Rngs(0))), _hf_name))
+  tied = bool(config.get("tie_word_embeddings", False))
+  scope = tuple(f"model.layers.{i}." for i in range(cfg.num_layers)) + ("model.norm.", "model.embed_tokens.")
+  unused = sorted(n for n in names if n.startswith(scope) and n not in want)
+  if unused:
+    raise NotImplementedError(f"{reader.path}: target tensor {unused[0]!r}"
+                              f"{f' ({len(unused) - 1} more)' if len(unused) > 1 else ''} has no place in a "
+                              "dense GQA block of this config (MoE experts, MLA and quantisation scales "
+                              "are not supported)")
+  out = {}
+  for name in want:
+    source = "model.embed_tokens.weight" if (name == "lm_head.weight" and tied) else name
+    if source not in names:
+      hint = " (config.json: tie_word_embeddings is false)" if name == "lm_head.weight" else ""
+      raise KeyError(f"{reader.path}: missing target tensor {source!r}{hint}")
+    out[name] = reader.get(source)
+  return out
+
+
+def load_target(path, *, dtype=None) -> TargetModel:
+  """The target model of a released directory (see `from_pretrained`)."""
+  config = read_config(path)
+  cfg = target_config_from_hf(config, dtype=dtype)
+  with CheckpointReader(path) as reader:
+    tensors = _target_tensors(reader, config, cfg)
+    return _build(lambda: TargetModel(cfg, rngs=nnx.Rngs(0)), _hf_name, tensors, cfg.jnp_dtype, f"{path}")
+
+
+def load_mtp(path, *, dtype=None, max_depth: int | None = None, **conventions) -> MtpModel:
+  """The MTP modules of a released directory; conventions override the family's (MtpConfig fields)."""
+  config = read_config(path)
+  bad = sorted(set(conventions) - set(layouts.CONVENTION_FIELDS))
+  if bad:
+    raise TypeError(f"unknown convention(s) {bad}; expected some of {layouts.CONVENTION_FIELDS}")
+  with CheckpointReader(path) as reader:
+    layout = layouts.detect_layout(reader.keys())
+    base = layouts.config_from_hf(config, layout=layout)
+    cfg = MtpConfig(**{**base.__dict__, **conventions, "max_depth": max_depth,
+                       "dtype": _dtype(config, dtype)})
+    first_layer = config.get("num_hidden_layers") if layout == "deepseek" else None
+    tensors = layouts.to_canonical(reader, layout, cfg, first_layer=first_layer,
+                                   tied=bool(config.get("tie_word_embeddings", False)))
+  return _build(lambda: MtpModel(cfg, rngs=nnx.Rngs(0)), canonical_name, tensors, cfg.jnp_dtype, f"{path}")
+
+
+def from_pretrained(path, *, dtype=None, max_depth: int | None = None,
+                    **conventions) -> tuple[TargetModel, MtpModel, dict]:
+  """(target, proposer, config.json dict) from a released model directory.
+
+  dtype: weights / activations dtype (default the checkpoint's: bf16 stays bf16).
+  max_depth: drafts a propose may make (default the module count; depths past it reuse modules).
+  conventions: MtpConfig chain fields (pass_normed_hidden, head_norm, mask_first_embedding,
+    depth_reuse) overriding the family's.
+  """
+  config = read_config(path)
+  return load_target(path, dtype=dtype), load_mtp(path, dtype=dtype, max_depth=max_depth, **conventions), config
+
+
+def load_tokenizer(path):
+  """The `tokenizers.Tokenizer` of path/tokenizer.json."""
+  file = os.path.join(os.fspath(path), "tokenizer.json")
+  if not os.path.isfile(file):
+    raise FileNotFoundError(f"{path} has no tokenizer.json")
+  return tokenizers.Tokenizer.from_file(file)

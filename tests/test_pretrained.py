@@ -1,0 +1,185 @@
+"""from_pretrained on a released GLM-4.5 directory equals transformers: target logits, the chain's
+drafts and logits against transformers' `MtpModel`, and greedy speculative decoding (ragged batch,
+every k up to a max_depth past the module count) against transformers' greedy `generate`.
+
+The tiny GLM-4.5 keeps every target layer dense (first_k_dense_replace > num_hidden_layers), with
+the family's partial RoPE (0.5, transformers' default, left out of config.json) and q / k norms. transformers
+builds MTP layers as MoE always (get_mtp_config sets first_k_dense_replace = 0), so each MTP layer's
+MLP is swapped for the family's dense Glm4MoeMLP: MtpModel's chain wiring (enorm / hnorm order, the
+post-norm hidden handed on, positions, the shared head) is what the comparison checks. Greedy
+`generate(use_mtp=True)` is lossless, so it equals plain greedy `generate`; the latter is the
+reference (MtpModel.from_pretrained finds MTP weights only at the full-size models' layer numbers).
+"""
+
+import json
+
+import tokenizers
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+from transformers.modeling_layers import MtpModel
+from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMLP
+
+import mtp_jax
+from mtp_jax import cli, pretrained
+from mtp_jax.checkpoint import save_tensors
+
+N_LAYERS, K, V = 2, 2, 64
+
+
+def _init_all(module, seed):
+  """Every tensor drawn here (transformers leaves MoE experts uninitialised): norms near 1."""
+  gen = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in module.named_parameters():
+      noise = torch.randn(p.shape, generator=gen)
+      if name.endswith("norm.weight"):
+        p.copy_(1 + 0.2 * noise)
+      elif p.ndim == 1:
+        p.copy_(0.2 * noise)
+      else:
+        p.copy_(noise / p.shape[-1] ** 0.5 * (1.0 if "embed" in name else 1.5))
+
+
+def tiny_glm(tmp_path):
+  """(main, mtp, directory): a GLM-4.5 written as a released checkpoint would be: MTP layers at
+  model.layers.{num_hidden_layers + k}, two safetensors shards and an index."""
+  cfg = Glm4MoeConfig(vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                      num_hidden_layers=N_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                      first_k_dense_replace=100, n_routed_experts=4, num_experts_per_tok=2,
+                      attention_bias=True, use_qk_norm=True, num_mtp_layers=K, rms_norm_eps=1e-5,
+                      tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+                      max_position_embeddings=256, eos_token_id=None, pad_token_id=None, bos_token_id=None)
+  main = Glm4MoeForCausalLM(cfg).eval()
+  _init_all(main, 0)
+  mtp = MtpModel(main, K).eval()
+  for layer in mtp.layers:
+    layer.mtp_block.mlp = Glm4MoeMLP(mtp.config)
+  _init_all(mtp.layers, 1)
+  tensors = {n: p.detach().numpy() for n, p in main.named_parameters()}
+  for n, p in mtp.layers.named_parameters():
+    i, rest = n.split(".", 1)
+    rest = rest.removeprefix("mtp_block.").replace("post_norm.", "shared_head.norm.")
+    tensors[f"model.layers.{N_LAYERS + int(i)}.{rest}"] = p.detach().numpy()
+  for i in range(K):  # as released: each MTP layer carries copies of the embedding and head
+    tensors[f"model.layers.{N_LAYERS + i}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
+    tensors[f"model.layers.{N_LAYERS + i}.shared_head.head.weight"] = tensors["lm_head.weight"]
+  names = sorted(tensors)
+  weight_map = {}
+  for s in range(2):
+    file = f"model-{s + 1:05d}-of-00002.safetensors"
+    save_tensors(tmp_path / file, {n: tensors[n] for n in names[s::2]})
+    weight_map |= dict.fromkeys(names[s::2], file)
+  (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+  config = json.loads(cfg.to_json_string())
+  config.pop("partial_rotary_factor", None)
+  config["rope_parameters"].pop("partial_rotary_factor", None)
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  return main, mtp, tmp_path
+
+
+@pytest.fixture(scope="module")
+def glm(tmp_path_factory):
+  main, mtp, path = tiny_glm(tmp_path_factory.mktemp("glm"))
+  target, proposer, config = mtp_jax.from_pretrained(path, dtype="float32", max_depth=3)
+  return main, mtp, target, proposer, config, path
+
+
+def test_config_and_conventions(glm):
+  _, _, target, proposer, config, _ = glm
+  assert config["model_type"] == "glm4_moe"
+  assert target.cfg.output_normed_hidden and target.cfg.attention_bias and target.cfg.qk_norm
+  assert target.cfg.partial_rotary_factor == proposer.cfg.partial_rotary_factor == 0.5
+  c = proposer.cfg
+  assert (c.num_modules, c.num_depths, c.pass_normed_hidden, c.head_norm, c.mask_first_embedding) == (
+      K, 3, True, True, False)
+
+
+def test_target_logits_and_hidden_equal_transformers(glm):
+  main, _, target, _, _, _ = glm
+  toks = np.random.default_rng(0).integers(0, V, (2, 11))
+  with torch.no_grad():
+    out = main(torch.tensor(toks), output_hidden_states=True)
+  rows = jnp.broadcast_to(jnp.arange(11), (2, 11))
+  logits, hidden, _ = target(jnp.asarray(toks, jnp.int32), rows, jnp.ones((2, 11), bool), None)
+  np.testing.assert_allclose(np.asarray(logits), out.logits.numpy(), rtol=1e-4, atol=1e-4)
+  # transformers hands MtpModel hidden_states[-1], the post-final-norm hidden.
+  np.testing.assert_allclose(np.asarray(hidden), out.hidden_states[-1].numpy(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n", [1, 9])
+def test_drafts_equal_mtp_model(glm, n):
+  """From a history t_0..t_n: MtpModel's K drafts (cache-free, each layer over every row) and
+  their logits equal the proposer's first propose."""
+  main, mtp, target, proposer, _, _ = glm
+  toks = torch.tensor(np.random.default_rng(n).integers(0, V, (1, n + 1)))
+  with torch.no_grad():
+    h0 = main(toks[:, :n], output_hidden_states=True).hidden_states[-1]
+    ids, want_logits, _ = mtp(input_ids=toks[:, 1:], last_hidden_states=h0, attention_mask=None,
+                              position_ids=torch.arange(1, n + 1)[None], mtp_cache=None)
+  state = mtp_jax.init_state(proposer.cfg, 1, 32)
+  drafts, _ = mtp_jax.propose(proposer, state, h0.numpy(), toks[:, 1:].numpy(), np.array([n], np.int32),
+                              num_drafts=K)
+  np.testing.assert_array_equal(np.asarray(drafts), ids.numpy())
+  ext = np.concatenate([toks[0, 1:].numpy(), ids[0].numpy()])[None]
+  got = mtp_jax.forward_chain(proposer, jnp.asarray(h0.numpy()), jnp.asarray(ext, jnp.int32), K)
+  np.testing.assert_allclose(np.asarray(got[:, 0, n - 1]), want_logits[0].numpy(), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_greedy_generate_equals_transformers_for_every_k(glm):
+  main, _, target, proposer, _, _ = glm
+  rng = np.random.default_rng(3)
+  prompts = [list(rng.integers(0, V, 5)), list(rng.integers(0, V, 12))]
+  new = 14
+  want = []
+  for p in prompts:
+    with torch.no_grad():
+      out = main.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, min_new_tokens=new)
+    want.append(out[0, len(p):].tolist())
+  for k in (1, 2, 3):  # k = 3 runs module 1 at depth 3 (vLLM's cycle)
+    got = mtp_jax.generate(target, proposer, prompts, new, num_drafts=k)
+    assert got.tokens == want, k
+    single = mtp_jax.generate(target, proposer, prompts[1:], new, num_drafts=k)
+    assert single.tokens == want[1:], k
+
+
+def test_tied_head_and_unsupported_tensors_are_named(tmp_path):
+  main, _, path = tiny_glm(tmp_path)
+  config = json.loads((path / "config.json").read_text())
+  with pytest.raises(NotImplementedError, match=r"glm4_moe layers 1..1 are MoE"):
+    pretrained.target_config_from_hf({**config, "first_k_dense_replace": 1})
+  with pytest.raises(NotImplementedError, match=r"model_type 'deepseek_v3' has no target"):
+    pretrained.target_config_from_hf({**config, "model_type": "deepseek_v3"})
+  with pytest.raises(TypeError, match=r"unknown convention\(s\) \['chain'\]"):
+    pretrained.load_mtp(path, chain="residual")
+  # Tied: no lm_head tensor; the head is the embedding.
+  index = json.loads((path / "model.safetensors.index.json").read_text())
+  del index["weight_map"]["lm_head.weight"]
+  (path / "model.safetensors.index.json").write_text(json.dumps(index))
+  with pytest.raises(KeyError, match=r"missing target tensor 'lm_head.weight' \(config.json: tie_word"):
+    pretrained.load_target(path)
+  (path / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+  target = pretrained.load_target(path)
+  np.testing.assert_array_equal(np.asarray(target.lm_head.weight[...]),
+                                main.model.embed_tokens.weight.detach().numpy())
+
+
+def test_cli_generate_from_a_model_directory(glm, capsys):
+  """`mtp-jax generate --model DIR` with the directory's tokenizer.json: the greedy continuation."""
+  main, _, _, _, _, path = glm
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w0"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok.save(str(path / "tokenizer.json"))
+  prompt = "w3 w14 w15 w9 w26"
+  with torch.no_grad():
+    out = main.generate(torch.tensor([[3, 14, 15, 9, 26]]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
+  want = tok.decode(out[0, 5:].tolist())
+  assert cli.main(["generate", "--model", str(path), "--prompt", prompt, "--max-new-tokens", "6",
+                   "--num-drafts", "3", "--dtype", "float32"]) == 0
+  captured = capsys.readouterr()
+  assert captured.out == prompt + want + "\n"
+  assert "target calls" in captured.err
