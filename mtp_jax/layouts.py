@@ -21,7 +21,7 @@ from flax import nnx
 
 from mtp_jax import mtp
 from mtp_jax.checkpoint import CheckpointReader, save_tensors
-from mtp_jax.config import MtpConfig, RopeScaling
+from mtp_jax.config import MoeConfig, MtpConfig, RopeScaling
 
 LAYOUTS = ("canonical", "deepseek", "mimo", "ernie", "qwen3_next", "longcat", "mimo_v2")
 
@@ -147,6 +147,25 @@ def conventions(family: str | None) -> dict:
   return {k: CONVENTIONS[family][k] for k in CONVENTION_FIELDS}
 
 
+def moe_from_hf(config: Mapping) -> MoeConfig | None:
+  """The MoE FFN of a DeepSeek-V3 / GLM-4.5 config.json (n_routed_experts), else None.
+
+  Both route with sigmoid scores and an e_score_correction_bias (transformers' DeepseekV3 /
+  Glm4Moe TopkRouter; DeepSeek-V3's config says so in scoring_func / topk_method)."""
+  if not config.get("n_routed_experts"):
+    return None
+  scoring = config.get("scoring_func", "sigmoid")
+  if config.get("topk_method", "noaux_tc") != "noaux_tc":
+    raise ValueError(f"config.json: topk_method {config['topk_method']!r} is not supported, only 'noaux_tc'")
+  return MoeConfig(num_experts=config["n_routed_experts"], num_experts_per_tok=config["num_experts_per_tok"],
+                   moe_intermediate_size=config["moe_intermediate_size"], scoring=scoring,
+                   e_score_correction_bias=True, n_group=config.get("n_group") or 1,
+                   topk_group=config.get("topk_group") or 1, norm_topk_prob=config.get("norm_topk_prob", True),
+                   routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
+                   n_shared_experts=config.get("n_shared_experts") or 0,
+                   first_k_dense_replace=config.get("first_k_dense_replace", 0))
+
+
 def block_kwargs_from_hf(config: Mapping) -> dict:
   """BlockConfig fields from an HF config.json; settings mtp_jax cannot honour raise ValueError."""
   model_type = config.get("model_type")
@@ -174,6 +193,7 @@ def block_kwargs_from_hf(config: Mapping) -> dict:
       rope_interleave=bool(config.get("rope_interleave", model_type in _INTERLEAVED_ROPE)),
       rope_scaling=scaling,
       qk_norm=bool(config.get("use_qk_norm", False)),  # GLM-4.5's per-head q / k RMSNorms
+      moe=moe_from_hf(config),
       hidden_size=config["hidden_size"],
       num_heads=heads,
       num_kv_heads=config.get("num_key_value_heads") or heads,

@@ -3,8 +3,8 @@ target, its MTP proposer and a tokenizer.
 
     target, proposer, config = from_pretrained("path/to/model", dtype="bfloat16", max_depth=3)
 
-Targets: dense GQA decoders of the Llama / Qwen2 / MiMo, GLM-4.5 (every layer dense) and ERNIE-4.5
-families. MTP modules: every layout of `layouts` whose blocks are dense GQA. The chain follows the
+Targets: GQA decoders of the Llama / Qwen2 / MiMo, GLM-4.5 (dense and MoE layers) and ERNIE-4.5
+(dense) families. MTP modules: every layout of `layouts` whose blocks mtp_jax runs. The chain follows the
 family's conventions (`layouts.CONVENTIONS`); keyword arguments override them.
 Tensors are read lazily (only the ones used, never whole shards) and placed straight into the
 model, with no random initialisation first.
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
 
 import jax.numpy as jnp
@@ -52,17 +53,13 @@ def target_config_from_hf(config: Mapping, *, dtype=None) -> TargetConfig:
   if model_type not in _TARGET_TYPES:
     raise NotImplementedError(f"config.json: model_type {model_type!r} has no target mtp_jax can build "
                               f"(supported: {', '.join(_TARGET_TYPES)})")
-  if model_type == "glm4_moe":
-    dense = config.get("first_k_dense_replace", 1)
-    if dense < config["num_hidden_layers"]:
-      raise NotImplementedError(f"config.json: glm4_moe layers {dense}..{config['num_hidden_layers'] - 1} are "
-                                "MoE (first_k_dense_replace < num_hidden_layers); only dense targets run")
   return TargetConfig(**layouts.block_kwargs_from_hf(config), vocab_size=config["vocab_size"],
                       num_layers=config["num_hidden_layers"], dtype=_dtype(config, dtype))
 
 
-def _build(ctor, canonical, tensors: Mapping, dtype, what: str):
-  """ctor() as an abstract model, its params filled from tensors (canonical name -> array)."""
+def _build(ctor, canonical, tensors: Mapping, what: str):
+  """ctor() as an abstract model, its params filled from tensors (canonical name -> array), each
+  cast to the dtype the model gives that param (routers stay float32 in a bf16 model)."""
   abstract = nnx.eval_shape(ctor)
   graphdef, state = nnx.split(abstract)
   flat = []
@@ -73,7 +70,7 @@ def _build(ctor, canonical, tensors: Mapping, dtype, what: str):
     value = tensors[name]
     if tuple(value.shape) != tuple(var.shape):
       raise ValueError(f"{what}: tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(var.shape)}")
-    flat.append((path, var.replace(jnp.asarray(value, dtype))))
+    flat.append((path, var.replace(jnp.asarray(value, var.dtype))))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -83,14 +80,18 @@ def _target_tensors(reader: CheckpointReader, config: Mapping, cfg: TargetConfig
   want = set(param_names(nnx.eval_shape(lambda: TargetModel(cfg, rngs=nnx.Rngs(0))), _hf_name))
   tied = bool(config.get("tie_word_embeddings", False))
   scope = tuple(f"model.layers.{i}." for i in range(cfg.num_layers)) + ("model.norm.", "model.embed_tokens.")
-  unused = sorted(n for n in names if n.startswith(scope) and n not in want)
+  per_expert = {f"{m[1]}.{e}.{m[2]}.weight" for n in want if (m := re.fullmatch(r"(.*\.mlp\.experts)\.(\w+_proj)", n))
+                for e in range(cfg.moe.num_experts)}
+  unused = sorted(n for n in names if n.startswith(scope) and n not in want | per_expert)
   if unused:
     raise NotImplementedError(f"{reader.path}: target tensor {unused[0]!r}"
-                              f"{f' ({len(unused) - 1} more)' if len(unused) > 1 else ''} has no place in a "
-                              "dense GQA block of this config (MoE experts, MLA and quantisation scales "
-                              "are not supported)")
+                              f"{f' ({len(unused) - 1} more)' if len(unused) > 1 else ''} has no place in this "
+                              "config's blocks (MLA and quantisation scales are not supported)")
   out = {}
-  for name in want:
+  for name in sorted(want):
+    if stacked := re.fullmatch(r"(.*\.mlp\.experts)\.(\w+_proj)", name):
+      out[name] = _stack_experts(reader, names, stacked[1], stacked[2], cfg.moe.num_experts)
+      continue
     source = "model.embed_tokens.weight" if (name == "lm_head.weight" and tied) else name
     if source not in names:
       hint = " (config.json: tie_word_embeddings is false)" if name == "lm_head.weight" else ""
@@ -99,13 +100,23 @@ def _target_tensors(reader: CheckpointReader, config: Mapping, cfg: TargetConfig
   return out
 
 
+def _stack_experts(reader, names, prefix: str, proj: str, num_experts: int) -> np.ndarray:
+  """Released experts (one torch [out, in] tensor each) -> mtp_jax's stacked [E, in, out]."""
+  parts = [f"{prefix}.{e}.{proj}.weight" for e in range(num_experts)]
+  missing = [p for p in parts if p not in names]
+  if missing:
+    raise KeyError(f"{reader.path}: missing expert tensor {missing[0]!r} (config.json has "
+                   f"n_routed_experts={num_experts})")
+  return np.stack([reader.get(p).T for p in parts])
+
+
 def load_target(path, *, dtype=None) -> TargetModel:
   """The target model of a released directory (see `from_pretrained`)."""
   config = read_config(path)
   cfg = target_config_from_hf(config, dtype=dtype)
   with CheckpointReader(path) as reader:
     tensors = _target_tensors(reader, config, cfg)
-    return _build(lambda: TargetModel(cfg, rngs=nnx.Rngs(0)), _hf_name, tensors, cfg.jnp_dtype, f"{path}")
+    return _build(lambda: TargetModel(cfg, rngs=nnx.Rngs(0)), _hf_name, tensors, f"{path}")
 
 
 def load_mtp(path, *, dtype=None, max_depth: int | None = None, **conventions) -> MtpModel:
@@ -122,7 +133,7 @@ def load_mtp(path, *, dtype=None, max_depth: int | None = None, **conventions) -
     first_layer = config.get("num_hidden_layers") if layout == "deepseek" else None
     tensors = layouts.to_canonical(reader, layout, cfg, first_layer=first_layer,
                                    tied=bool(config.get("tie_word_embeddings", False)))
-  return _build(lambda: MtpModel(cfg, rngs=nnx.Rngs(0)), canonical_name, tensors, cfg.jnp_dtype, f"{path}")
+  return _build(lambda: MtpModel(cfg, rngs=nnx.Rngs(0)), canonical_name, tensors, f"{path}")
 
 
 def from_pretrained(path, *, dtype=None, max_depth: int | None = None,

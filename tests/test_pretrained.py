@@ -2,11 +2,9 @@
 drafts and logits against transformers' `MtpModel`, and greedy speculative decoding (ragged batch,
 every k up to a max_depth past the module count) against transformers' greedy `generate`.
 
-The tiny GLM-4.5 keeps every target layer dense (first_k_dense_replace > num_hidden_layers), with
-the family's partial RoPE (0.5, transformers' default, left out of config.json) and q / k norms. transformers
-builds MTP layers as MoE always (get_mtp_config sets first_k_dense_replace = 0), so each MTP layer's
-MLP is swapped for the family's dense Glm4MoeMLP: MtpModel's chain wiring (enorm / hnorm order, the
-post-norm hidden handed on, positions, the shared head) is what the comparison checks. Greedy
+The tiny GLM-4.5 has a dense layer and a MoE layer (first_k_dense_replace = 1), MoE MTP layers (as
+transformers always builds them), the family's partial RoPE (0.5, transformers' default, left out
+of config.json) and q / k norms; experts are written one tensor each, as released. Greedy
 `generate(use_mtp=True)` is lossless, so it equals plain greedy `generate`; the latter is the
 reference (MtpModel.from_pretrained finds MTP weights only at the full-size models' layer numbers).
 """
@@ -21,7 +19,6 @@ import pytest
 import torch
 from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 from transformers.modeling_layers import MtpModel
-from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeMLP
 
 import mtp_jax
 from mtp_jax import cli, pretrained
@@ -34,7 +31,9 @@ def _init_all(module, seed):
   """Every tensor drawn here (transformers leaves MoE experts uninitialised): norms near 1."""
   gen = torch.Generator().manual_seed(seed)
   with torch.no_grad():
-    for name, p in module.named_parameters():
+    # The router's e_score_correction_bias is a buffer; RoPE's inv_freq buffers stay as they are.
+    biases = [(n, b) for n, b in module.named_buffers() if n.endswith("e_score_correction_bias")]
+    for name, p in list(module.named_parameters()) + biases:
       noise = torch.randn(p.shape, generator=gen)
       if name.endswith("norm.weight"):
         p.copy_(1 + 0.2 * noise)
@@ -44,26 +43,43 @@ def _init_all(module, seed):
         p.copy_(noise / p.shape[-1] ** 0.5 * (1.0 if "embed" in name else 1.5))
 
 
+def _released(state_dict):
+  """transformers' fused experts (gate_up_proj [E, 2Fe, D], down_proj [E, D, Fe]) -> one torch
+  [out, in] tensor per expert, as released checkpoints hold them."""
+  out = {}
+  for name, t in state_dict.items():
+    v = t.detach().numpy()
+    if name.endswith("experts.gate_up_proj"):
+      f = v.shape[1] // 2
+      prefix = name.removesuffix("gate_up_proj")
+      for e in range(v.shape[0]):
+        out[f"{prefix}{e}.gate_proj.weight"], out[f"{prefix}{e}.up_proj.weight"] = v[e, :f], v[e, f:]
+    elif name.endswith("experts.down_proj"):
+      out |= {f"{name.removesuffix('down_proj')}{e}.down_proj.weight": v[e] for e in range(v.shape[0])}
+    else:
+      out[name] = v
+  return out
+
+
 def tiny_glm(tmp_path):
   """(main, mtp, directory): a GLM-4.5 written as a released checkpoint would be: MTP layers at
   model.layers.{num_hidden_layers + k}, two safetensors shards and an index."""
   cfg = Glm4MoeConfig(vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
                       num_hidden_layers=N_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      first_k_dense_replace=100, n_routed_experts=4, num_experts_per_tok=2,
+                      first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                      n_group=2, topk_group=1, routed_scaling_factor=1.5,
                       attention_bias=True, use_qk_norm=True, num_mtp_layers=K, rms_norm_eps=1e-5,
                       tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
                       max_position_embeddings=256, eos_token_id=None, pad_token_id=None, bos_token_id=None)
   main = Glm4MoeForCausalLM(cfg).eval()
   _init_all(main, 0)
   mtp = MtpModel(main, K).eval()
-  for layer in mtp.layers:
-    layer.mtp_block.mlp = Glm4MoeMLP(mtp.config)
   _init_all(mtp.layers, 1)
-  tensors = {n: p.detach().numpy() for n, p in main.named_parameters()}
-  for n, p in mtp.layers.named_parameters():
+  tensors = _released(main.state_dict())
+  for n, v in _released(mtp.layers.state_dict()).items():
     i, rest = n.split(".", 1)
     rest = rest.removeprefix("mtp_block.").replace("post_norm.", "shared_head.norm.")
-    tensors[f"model.layers.{N_LAYERS + int(i)}.{rest}"] = p.detach().numpy()
+    tensors[f"model.layers.{N_LAYERS + int(i)}.{rest}"] = v
   for i in range(K):  # as released: each MTP layer carries copies of the embedding and head
     tensors[f"model.layers.{N_LAYERS + i}.embed_tokens.weight"] = tensors["model.embed_tokens.weight"]
     tensors[f"model.layers.{N_LAYERS + i}.shared_head.head.weight"] = tensors["lm_head.weight"]
@@ -93,6 +109,7 @@ def test_config_and_conventions(glm):
   assert config["model_type"] == "glm4_moe"
   assert target.cfg.output_normed_hidden and target.cfg.attention_bias and target.cfg.qk_norm
   assert target.cfg.partial_rotary_factor == proposer.cfg.partial_rotary_factor == 0.5
+  assert target.cfg.moe.first_k_dense_replace == 1 and proposer.cfg.moe.num_experts == 4
   c = proposer.cfg
   assert (c.num_modules, c.num_depths, c.pass_normed_hidden, c.head_norm, c.mask_first_embedding) == (
       K, 3, True, True, False)
@@ -150,14 +167,17 @@ def test_greedy_generate_equals_transformers_for_every_k(glm):
 def test_tied_head_and_unsupported_tensors_are_named(tmp_path):
   main, _, path = tiny_glm(tmp_path)
   config = json.loads((path / "config.json").read_text())
-  with pytest.raises(NotImplementedError, match=r"glm4_moe layers 1..1 are MoE"):
-    pretrained.target_config_from_hf({**config, "first_k_dense_replace": 1})
   with pytest.raises(NotImplementedError, match=r"model_type 'deepseek_v3' has no target"):
     pretrained.target_config_from_hf({**config, "model_type": "deepseek_v3"})
   with pytest.raises(TypeError, match=r"unknown convention\(s\) \['chain'\]"):
     pretrained.load_mtp(path, chain="residual")
-  # Tied: no lm_head tensor; the head is the embedding.
   index = json.loads((path / "model.safetensors.index.json").read_text())
+  expert = index["weight_map"].pop("model.layers.1.mlp.experts.2.up_proj.weight")
+  (path / "model.safetensors.index.json").write_text(json.dumps(index))
+  with pytest.raises(KeyError, match=r"missing expert tensor 'model.layers.1.mlp.experts.2.up_proj.weight'"):
+    pretrained.load_target(path)
+  index["weight_map"]["model.layers.1.mlp.experts.2.up_proj.weight"] = expert
+  # Tied: no lm_head tensor; the head is the embedding.
   del index["weight_map"]["lm_head.weight"]
   (path / "model.safetensors.index.json").write_text(json.dumps(index))
   with pytest.raises(KeyError, match=r"missing target tensor 'lm_head.weight' \(config.json: tie_word"):
