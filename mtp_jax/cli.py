@@ -7,7 +7,7 @@ import codecs
 import dataclasses
 import sys
 
-from mtp_jax import demo, train, validate
+from mtp_jax import demo, pretrained, train, validate
 from mtp_jax.generate import generate
 
 
@@ -20,14 +20,46 @@ def _demo(args) -> int:
                    seed=args.seed, repeats=args.repeats, ks=args.ks, name=_model_name(args), path=args.checkpoint)
 
 
+def _byte_text():
+  """(new ids -> text, flush -> text) for the demo's byte tokenizer."""
+  # A multi-byte character may arrive split across steps: the incremental decoder holds the head.
+  decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+  return lambda ids: decoder.decode(bytes(t for t in ids if t < 256)), lambda: decoder.decode(b"", final=True)
+
+
+def _tokenizer_text(tok):
+  """(new ids -> text, flush -> text) for a `tokenizers.Tokenizer`: each step gives what decoding the
+  whole continuation adds, as tokens may merge with their neighbours when decoded."""
+  ids, shown = [], [""]
+
+  def text(new_ids):
+    ids.extend(new_ids)
+    full = tok.decode(ids)
+    if full.endswith("\ufffd"):  # an incomplete multi-byte character: wait for the rest
+      return ""
+    out, shown[0] = full[len(shown[0]):], full
+    return out
+  return text, lambda: ""
+
+
 def _generate(args) -> int:
-  target, proposer, tok = demo.load_demo(args.checkpoint, name=_model_name(args))
-  num_drafts = validate.integer("--num-drafts", args.num_drafts, 0, proposer.cfg.num_modules)
-  # Training windows carry no BOS, so neither does the prompt.
-  prompt = tok.encode(args.prompt, bos=False)
+  if args.model:
+    target, proposer, config = pretrained.from_pretrained(args.model, dtype=args.dtype,
+                                                          max_depth=max(args.num_drafts, 1))
+    tok = pretrained.load_tokenizer(args.model)
+    prompt = tok.encode(args.prompt).ids
+    eos = config.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    text, flush = _tokenizer_text(tok)
+  else:
+    target, proposer, tok = demo.load_demo(args.checkpoint, name=_model_name(args))
+    # Training windows carry no BOS, so neither does the prompt.
+    prompt = tok.encode(args.prompt, bos=False)
+    eos = tok.eos_id
+    text, flush = _byte_text()
+  num_drafts = validate.integer("--num-drafts", args.num_drafts, 0, proposer.cfg.num_depths)
   if not prompt:
     raise validate.InvalidValue("--prompt", "--prompt must not be empty")
-  decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
   started = []
 
@@ -35,14 +67,13 @@ def _generate(args) -> int:
     if not started:  # the first call comes after generate has checked its arguments
       sys.stdout.write(args.prompt)
       started.append(True)
-    # A multi-byte character may arrive split across steps: the incremental decoder holds the head.
-    sys.stdout.write(decoder.decode(bytes(t for t in new_tokens[0] if t < 256)))
+    sys.stdout.write(text(new_tokens[0]))
     sys.stdout.flush()
 
   out = generate(target, proposer if num_drafts > 0 else None, [prompt], args.max_new_tokens,
                  num_drafts=num_drafts or None, temperature=args.temperature, seed=args.seed,
-                 eos_token_id=tok.eos_id, stream=stream)
-  sys.stdout.write(decoder.decode(b"", final=True) + "\n")
+                 eos_token_id=eos, stream=stream)
+  sys.stdout.write(flush() + "\n")
   print(f"[{out.stats['generated_tokens']} tokens, {out.stats['target_calls']} target calls, "
         f"mean accepted length {out.stats['mean_accepted_length']:.2f}]", file=sys.stderr)
   return 0
@@ -119,6 +150,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--checkpoint", default=None)
   p.add_argument("--small", action="store_true", help=SMALL_HELP)
+  p.add_argument("--model", default=None,
+                 help="a released model directory (config.json, safetensors, tokenizer.json); see docs/checkpoints.md")
+  p.add_argument("--dtype", default=None, help="with --model: weights dtype (default the checkpoint's)")
   p.set_defaults(func=_generate)
 
   p = sub.add_parser("train", help="train a target and MTP modules on the stdlib byte corpus",
@@ -153,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train" and args.out is None and args.resume is None:
       raise validate.InvalidValue("--out", "mtp-jax train: pass --out DIR (or --resume DIR)")
     return args.func(args)
-  except (ValueError, TypeError, KeyError, OSError) as e:
+  except (ValueError, TypeError, KeyError, OSError, NotImplementedError) as e:
     message = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
     print("mtp-jax: error: " + " ".join(str(message).split()), file=sys.stderr)
     return 2

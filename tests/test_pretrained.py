@@ -11,6 +11,8 @@ reference (MtpModel.from_pretrained finds MTP weights only at the full-size mode
 
 import json
 
+import tokenizers
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -19,7 +21,7 @@ from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 from transformers.modeling_layers import MtpModel
 
 import mtp_jax
-from mtp_jax import pretrained
+from mtp_jax import cli, pretrained
 from mtp_jax.checkpoint import save_tensors
 
 N_LAYERS, K, V = 2, 2, 64
@@ -185,3 +187,19 @@ def test_tied_head_and_unsupported_tensors_are_named(tmp_path):
   np.testing.assert_array_equal(np.asarray(target.lm_head.weight[...]),
                                 main.model.embed_tokens.weight.detach().numpy())
 
+
+def test_cli_generate_from_a_model_directory(glm, capsys):
+  """`mtp-jax generate --model DIR` with the directory's tokenizer.json: the greedy continuation."""
+  main, _, _, _, _, path = glm
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w0"))
+  tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+  tok.save(str(path / "tokenizer.json"))
+  prompt = "w3 w14 w15 w9 w26"
+  with torch.no_grad():
+    out = main.generate(torch.tensor([[3, 14, 15, 9, 26]]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
+  want = tok.decode(out[0, 5:].tolist())
+  assert cli.main(["generate", "--model", str(path), "--prompt", prompt, "--max-new-tokens", "6",
+                   "--num-drafts", "3", "--dtype", "float32"]) == 0
+  captured = capsys.readouterr()
+  assert captured.out == prompt + want + "\n"
+  assert "target calls" in captured.err
