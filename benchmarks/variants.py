@@ -55,7 +55,8 @@ SIZES = {
 
 
 def config(size: str, dtype: str = "float32") -> mtp_jax.MtpConfig:
-  return mtp_jax.MtpConfig(num_modules=K, dtype=dtype, **SIZES[size])
+  # The historical variants chain the pre-norm hidden; the library is compared on the same wiring.
+  return mtp_jax.MtpConfig(num_modules=K, dtype=dtype, pass_normed_hidden=False, **SIZES[size])
 
 
 @dataclasses.dataclass
