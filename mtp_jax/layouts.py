@@ -21,7 +21,7 @@ from flax import nnx
 
 from mtp_jax import mtp
 from mtp_jax.checkpoint import CheckpointReader, save_tensors
-from mtp_jax.config import MoeConfig, MtpConfig, RopeScaling
+from mtp_jax.config import MlaConfig, MoeConfig, MtpConfig, RopeScaling
 
 LAYOUTS = ("canonical", "deepseek", "mimo", "ernie", "qwen3_next", "longcat", "mimo_v2")
 
@@ -117,6 +117,8 @@ def detect_layout(names: Iterable[str]) -> str:
 # Defaults transformers' config classes apply when config.json leaves a field out.
 _FAMILY_PARTIAL_ROTARY = {"glm4_moe": 0.5, "qwen3_next": 0.25}
 _INTERLEAVED_ROPE = ("ernie4_5", "ernie4_5_moe")
+# Families whose MLA is mtp_jax's (blocks/mla.py); LongCat-Flash's also scales q and the latent.
+_MLA_TYPES = ("deepseek_v3",)
 
 
 def _load_json(config):
@@ -166,6 +168,18 @@ def moe_from_hf(config: Mapping) -> MoeConfig | None:
                    first_k_dense_replace=config.get("first_k_dense_replace", 0))
 
 
+def mla_from_hf(config: Mapping) -> MlaConfig | None:
+  """The MLA attention of a DeepSeek-V3 config.json (kv_lora_rank set), else None."""
+  if not config.get("kv_lora_rank"):
+    return None
+  if config.get("model_type") not in _MLA_TYPES:
+    raise ValueError(f"config.json: MLA (kv_lora_rank) of model_type {config.get('model_type')!r} is not "
+                     f"supported, only {', '.join(_MLA_TYPES)}'s")
+  return MlaConfig(kv_lora_rank=config["kv_lora_rank"], q_lora_rank=config.get("q_lora_rank"),
+                   qk_nope_head_dim=config["qk_nope_head_dim"], qk_rope_head_dim=config["qk_rope_head_dim"],
+                   v_head_dim=config["v_head_dim"])
+
+
 def block_kwargs_from_hf(config: Mapping) -> dict:
   """BlockConfig fields from an HF config.json; settings mtp_jax cannot honour raise ValueError."""
   model_type = config.get("model_type")
@@ -184,19 +198,23 @@ def block_kwargs_from_hf(config: Mapping) -> dict:
   if config.get("use_bias"):
     raise ValueError("config.json: use_bias (biases on every linear, ERNIE-4.5) is not supported")
   heads = config["num_attention_heads"]
+  mla = mla_from_hf(config)
   return dict(
       # transformers' family defaults where config.json leaves them out (GLM-4.5 0.5, Qwen3-Next 0.25).
       partial_rotary_factor=float(config.get("partial_rotary_factor", rope.get(
           "partial_rotary_factor", _FAMILY_PARTIAL_ROTARY.get(model_type, 1.0)))),
       # ERNIE-4.5 rotates interleaved pairs (transformers' ernie4_5 rotate_half, SGLang's
-      # rope_is_neox_style False); DeepSeek-V3 says so in rope_interleave.
-      rope_interleave=bool(config.get("rope_interleave", model_type in _INTERLEAVED_ROPE)),
+      # rope_is_neox_style False); DeepSeek-V3 says so in rope_interleave, whose transformers
+      # default (True) its MLA reads.
+      rope_interleave=bool(config.get("rope_interleave", model_type in _INTERLEAVED_ROPE or mla is not None)),
       rope_scaling=scaling,
+      mla=mla,
       qk_norm=bool(config.get("use_qk_norm", False)),  # GLM-4.5's per-head q / k RMSNorms
       moe=moe_from_hf(config),
       hidden_size=config["hidden_size"],
       num_heads=heads,
-      num_kv_heads=config.get("num_key_value_heads") or heads,
+      # MLA has no kv heads (every head reads the latent); DeepSeek-V3 configs still carry a count.
+      num_kv_heads=heads if mla is not None else config.get("num_key_value_heads") or heads,
       head_dim=config.get("head_dim") or config["hidden_size"] // heads,
       intermediate_size=config["intermediate_size"],
       rms_norm_eps=config.get("rms_norm_eps", 1e-6),
@@ -334,7 +352,7 @@ def to_canonical(source: Mapping | CheckpointReader, layout: str, cfg: MtpConfig
     raise NotImplementedError(
         f"{layout} checkpoint tensor {unused[0]!r}{hint} has no place in this config's MTP module"
         f"{f' ({len(unused) - 1} more like it)' if len(unused) > 1 else ''}: only dense blocks "
-        "are supported, or MoE FFNs with a moe config (no MLA, q/k norms, gated attention or "
+        "are supported, or MoE FFNs with a moe config, or MLA with an mla config (no "
         "quantization scales)")
   shapes = canonical_shapes(cfg)
   out, loaded = {}, {}

@@ -4,7 +4,7 @@ target, its MTP proposer and a tokenizer.
     target, proposer, config = from_pretrained("path/to/model", dtype="bfloat16", max_depth=3)
 
 Targets: GQA decoders of the Llama / Qwen2 / MiMo, GLM-4.5 (dense and MoE layers) and ERNIE-4.5
-(dense) families. MTP modules: every layout of `layouts` whose blocks mtp_jax runs. The chain follows the
+(dense) families, and DeepSeek-V3 (MLA in every layer, dense then MoE FFNs). MTP modules: every layout of `layouts` whose blocks mtp_jax runs. The chain follows the
 family's conventions (`layouts.CONVENTIONS`); keyword arguments override them.
 Tensors are read lazily (only the ones used, never whole shards) and placed straight into the
 model, with no random initialisation first.
@@ -29,7 +29,7 @@ from mtp_jax.mtp import MtpModel, canonical_name, param_names
 from mtp_jax.target import TargetModel, _hf_name
 
 # HF model_types whose target mtp_jax builds (their MTP modules and other families' load alone).
-_TARGET_TYPES = ("llama", "qwen2", "mimo", "glm4_moe", "ernie4_5")
+_TARGET_TYPES = ("llama", "qwen2", "mimo", "glm4_moe", "ernie4_5", "deepseek_v3")
 
 
 def read_config(path) -> dict:
@@ -86,7 +86,7 @@ def _target_tensors(reader: CheckpointReader, config: Mapping, cfg: TargetConfig
   if unused:
     raise NotImplementedError(f"{reader.path}: target tensor {unused[0]!r}"
                               f"{f' ({len(unused) - 1} more)' if len(unused) > 1 else ''} has no place in this "
-                              "config's blocks (MLA and quantisation scales are not supported)")
+                              "config's blocks (quantisation scales are not supported)")
   out = {}
   for name in sorted(want):
     if stacked := re.fullmatch(r"(.*\.mlp\.experts)\.(\w+_proj)", name):

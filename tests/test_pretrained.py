@@ -1,10 +1,11 @@
-"""from_pretrained on a released GLM-4.5 directory equals transformers: target logits, the chain's
-drafts and logits against transformers' `MtpModel`, and greedy speculative decoding (ragged batch,
-every k up to a max_depth past the module count) against transformers' greedy `generate`.
+"""from_pretrained on a released GLM-4.5 or DeepSeek-V3 directory equals transformers: target logits,
+the chain's drafts and logits against transformers' `MtpModel`, and greedy speculative decoding
+(ragged batch, every k up to a max_depth past the module count) against transformers' greedy `generate`.
 
-The tiny GLM-4.5 has a dense layer and a MoE layer (first_k_dense_replace = 1), MoE MTP layers (as
-transformers always builds them), the family's partial RoPE (0.5, transformers' default, left out
-of config.json) and q / k norms; experts are written one tensor each, as released. Greedy
+Each tiny model has a dense layer and a MoE layer (first_k_dense_replace = 1) and MoE MTP layers (as
+transformers always builds them). GLM-4.5: the family's partial RoPE (0.5, transformers' default, left
+out of config.json) and q / k norms. DeepSeek-V3: MLA with YaRN RoPE, rotated interleaved
+(transformers' default, left out of config.json). Experts are written one tensor each, as released. Greedy
 `generate(use_mtp=True)` is lossless, so it equals plain greedy `generate`; the latter is the
 reference (MtpModel.from_pretrained finds MTP weights only at the full-size models' layer numbers).
 """
@@ -17,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
+from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig, Glm4MoeForCausalLM
 from transformers.modeling_layers import MtpModel
 
 import mtp_jax
@@ -61,20 +62,9 @@ def _released(state_dict):
   return out
 
 
-def tiny_glm(tmp_path):
-  """(main, mtp, directory): a GLM-4.5 written as a released checkpoint would be: MTP layers at
-  model.layers.{num_hidden_layers + k}, two safetensors shards and an index."""
-  cfg = Glm4MoeConfig(vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                      num_hidden_layers=N_LAYERS, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                      first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                      n_group=2, topk_group=1, routed_scaling_factor=1.5,
-                      attention_bias=True, use_qk_norm=True, num_mtp_layers=K, rms_norm_eps=1e-5,
-                      tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 500.0},
-                      max_position_embeddings=256, eos_token_id=None, pad_token_id=None, bos_token_id=None)
-  main = Glm4MoeForCausalLM(cfg).eval()
-  _init_all(main, 0)
-  mtp = MtpModel(main, K).eval()
-  _init_all(mtp.layers, 1)
+def _write_released(main, mtp, cfg, tmp_path):
+  """Writes main and mtp as a released checkpoint would be: MTP layers at
+  model.layers.{num_hidden_layers + k}, two safetensors shards and an index; returns config.json's dict."""
   tensors = _released(main.state_dict())
   for n, v in _released(mtp.layers.state_dict()).items():
     i, rest = n.split(".", 1)
@@ -90,33 +80,80 @@ def tiny_glm(tmp_path):
     save_tensors(tmp_path / file, {n: tensors[n] for n in names[s::2]})
     weight_map |= dict.fromkeys(names[s::2], file)
   (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
-  config = json.loads(cfg.to_json_string())
+  return json.loads(cfg.to_json_string())
+
+
+def _tiny(cls, cfg, tmp_path):
+  """(main, mtp, config.json dict) for a transformers config, every tensor drawn (`_init_all`)."""
+  main = cls(cfg).eval()
+  _init_all(main, 0)
+  mtp = MtpModel(main, K).eval()
+  _init_all(mtp.layers, 1)
+  return main, mtp, _write_released(main, mtp, cfg, tmp_path)
+
+
+# Shared by both families: a dense layer then a MoE layer, group-limited routing, a shared expert.
+_MOE = dict(vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+            num_hidden_layers=N_LAYERS, num_attention_heads=4, first_k_dense_replace=1, n_routed_experts=4,
+            num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, routed_scaling_factor=1.5,
+            num_mtp_layers=K, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=256,
+            eos_token_id=None, pad_token_id=None, bos_token_id=None)
+
+
+def tiny_glm(tmp_path):
+  """(main, mtp, directory): a GLM-4.5 with attention biases and q / k norms; partial_rotary_factor
+  left out of config.json (transformers' default 0.5)."""
+  cfg = Glm4MoeConfig(**_MOE, num_key_value_heads=2, head_dim=8, attention_bias=True, use_qk_norm=True,
+                      rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+  main, mtp, config = _tiny(Glm4MoeForCausalLM, cfg, tmp_path)
   config.pop("partial_rotary_factor", None)
   config["rope_parameters"].pop("partial_rotary_factor", None)
   (tmp_path / "config.json").write_text(json.dumps(config))
   return main, mtp, tmp_path
 
 
-@pytest.fixture(scope="module")
-def glm(tmp_path_factory):
-  main, mtp, path = tiny_glm(tmp_path_factory.mktemp("glm"))
+def tiny_deepseek(tmp_path):
+  """(main, mtp, directory): a DeepSeek-V3: MLA with a q LoRA in every layer, YaRN RoPE whose
+  mscale_all_dim scales the softmax; rope_interleave left out of config.json (transformers' default True)."""
+  cfg = DeepseekV3Config(**_MOE, kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                         v_head_dim=6, rope_parameters={
+                             "rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0,
+                             "original_max_position_embeddings": 64, "beta_fast": 32.0, "beta_slow": 1.0,
+                             "mscale": 1.0, "mscale_all_dim": 0.8})
+  main, mtp, config = _tiny(DeepseekV3ForCausalLM, cfg, tmp_path)
+  config.pop("rope_interleave")
+  (tmp_path / "config.json").write_text(json.dumps(config))
+  return main, mtp, tmp_path
+
+
+TINY = {"glm4_moe": tiny_glm, "deepseek_v3": tiny_deepseek}
+
+
+@pytest.fixture(scope="module", params=sorted(TINY))
+def released(request, tmp_path_factory):
+  main, mtp, path = TINY[request.param](tmp_path_factory.mktemp(request.param))
   target, proposer, config = mtp_jax.from_pretrained(path, dtype="float32", max_depth=3)
   return main, mtp, target, proposer, config, path
 
 
-def test_config_and_conventions(glm):
-  _, _, target, proposer, config, _ = glm
-  assert config["model_type"] == "glm4_moe"
-  assert target.cfg.output_normed_hidden and target.cfg.attention_bias and target.cfg.qk_norm
-  assert target.cfg.partial_rotary_factor == proposer.cfg.partial_rotary_factor == 0.5
+def test_config_and_conventions(released):
+  _, _, target, proposer, config, _ = released
+  if config["model_type"] == "glm4_moe":
+    assert target.cfg.output_normed_hidden and target.cfg.attention_bias and target.cfg.qk_norm
+    assert target.cfg.partial_rotary_factor == proposer.cfg.partial_rotary_factor == 0.5
+  else:
+    mla = mtp_jax.MlaConfig(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+    assert target.cfg.mla == proposer.cfg.mla == mla
+    assert target.cfg.rope_interleave and proposer.cfg.rope_interleave
+    assert target.cfg.rope_scaling.mscale_all_dim == 0.8 and target.cfg.rope_scaling.factor == 4.0
   assert target.cfg.moe.first_k_dense_replace == 1 and proposer.cfg.moe.num_experts == 4
   c = proposer.cfg
   assert (c.num_modules, c.num_depths, c.pass_normed_hidden, c.head_norm, c.mask_first_embedding) == (
       K, 3, True, True, False)
 
 
-def test_target_logits_and_hidden_equal_transformers(glm):
-  main, _, target, _, _, _ = glm
+def test_target_logits_and_hidden_equal_transformers(released):
+  main, _, target, _, _, _ = released
   toks = np.random.default_rng(0).integers(0, V, (2, 11))
   with torch.no_grad():
     out = main(torch.tensor(toks), output_hidden_states=True)
@@ -128,10 +165,10 @@ def test_target_logits_and_hidden_equal_transformers(glm):
 
 
 @pytest.mark.parametrize("n", [1, 9])
-def test_drafts_equal_mtp_model(glm, n):
+def test_drafts_equal_mtp_model(released, n):
   """From a history t_0..t_n: MtpModel's K drafts (cache-free, each layer over every row) and
   their logits equal the proposer's first propose."""
-  main, mtp, target, proposer, _, _ = glm
+  main, mtp, target, proposer, _, _ = released
   toks = torch.tensor(np.random.default_rng(n).integers(0, V, (1, n + 1)))
   with torch.no_grad():
     h0 = main(toks[:, :n], output_hidden_states=True).hidden_states[-1]
@@ -147,8 +184,8 @@ def test_drafts_equal_mtp_model(glm, n):
 
 
 @pytest.mark.slow
-def test_greedy_generate_equals_transformers_for_every_k(glm):
-  main, _, target, proposer, _, _ = glm
+def test_greedy_generate_equals_transformers_for_every_k(released):
+  main, _, target, proposer, _, _ = released
   rng = np.random.default_rng(3)
   prompts = [list(rng.integers(0, V, 5)), list(rng.integers(0, V, 12))]
   new = 14
@@ -167,8 +204,8 @@ def test_greedy_generate_equals_transformers_for_every_k(glm):
 def test_tied_head_and_unsupported_tensors_are_named(tmp_path):
   main, _, path = tiny_glm(tmp_path)
   config = json.loads((path / "config.json").read_text())
-  with pytest.raises(NotImplementedError, match=r"model_type 'deepseek_v3' has no target"):
-    pretrained.target_config_from_hf({**config, "model_type": "deepseek_v3"})
+  with pytest.raises(NotImplementedError, match=r"model_type 'qwen3_next' has no target"):
+    pretrained.target_config_from_hf({**config, "model_type": "qwen3_next"})
   with pytest.raises(TypeError, match=r"unknown convention\(s\) \['chain'\]"):
     pretrained.load_mtp(path, chain="residual")
   index = json.loads((path / "model.safetensors.index.json").read_text())
@@ -188,9 +225,9 @@ def test_tied_head_and_unsupported_tensors_are_named(tmp_path):
                                 main.model.embed_tokens.weight.detach().numpy())
 
 
-def test_cli_generate_from_a_model_directory(glm, capsys):
+def test_cli_generate_from_a_model_directory(released, capsys):
   """`mtp-jax generate --model DIR` with the directory's tokenizer.json: the greedy continuation."""
-  main, _, _, _, _, path = glm
+  main, _, _, _, _, path = released
   tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w0"))
   tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
   tok.save(str(path / "tokenizer.json"))
