@@ -6,7 +6,7 @@ import pytest
 
 from mtp_jax import layouts
 from mtp_jax.checkpoint import CheckpointReader, save_tensors
-from mtp_jax.config import MtpConfig
+from mtp_jax.config import MlaConfig, MtpConfig
 
 D, H, HKV, DH, F, V, K = 16, 2, 1, 8, 32, 50, 2
 NUM_LAYERS = 3  # target layers before the MTP ones in the deepseek layout
@@ -282,6 +282,15 @@ def test_config_from_hf(tmp_path):
   assert (got.head_dim, got.num_kv_heads, got.rope_theta) == (D // H, H, 1e6)
   assert not got.attention_bias
   assert layouts.config_from_hf({**slim, "model_type": "mimo"}).attention_bias
+  # MLA (DeepSeek-V3): kv heads are the query heads whatever the count says; interleaved RoPE by default.
+  mla = {"kv_lora_rank": 16, "q_lora_rank": None, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
+         "num_key_value_heads": 128}
+  got = layouts.config_from_hf({**config, **mla})
+  assert got.mla == MlaConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+  assert got.num_kv_heads == H and got.rope_interleave
+  assert not layouts.config_from_hf({**config, **mla, "rope_interleave": False}).rope_interleave
+  with pytest.raises(ValueError, match="MLA.*'longcat_flash' is not supported"):
+    layouts.config_from_hf({**config, **mla, "model_type": "longcat_flash"})
   for bad, match in [({"rope_scaling": {"type": "yarn", "factor": 40}}, "yarn"),
                      ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
                      ({"hidden_act": "gelu"}, "gelu"),
