@@ -117,6 +117,10 @@ def detect_layout(names: Iterable[str]) -> str:
 # Defaults transformers' config classes apply when config.json leaves a field out.
 _FAMILY_PARTIAL_ROTARY = {"glm4_moe": 0.5, "qwen3_next": 0.25}
 _INTERLEAVED_ROPE = ("ernie4_5", "ernie4_5_moe")
+# Block options a family always has, which its config.json does not spell out. Qwen3-Next's
+# full-attention layer (transformers' Qwen3NextAttention, vLLM's qwen3_next.py): per-head q / k
+# RMSNorms, q_proj giving per head [q | gate], and zero-centred (1 + w) RMSNorms throughout.
+FAMILY_BLOCKS = {"qwen3_next": dict(qk_norm=True, attention_gate=True, norm_unit_offset=True)}
 # Families whose MLA is mtp_jax's (blocks/mla.py); LongCat-Flash's also scales q and the latent.
 _MLA_TYPES = ("deepseek_v3",)
 
@@ -150,10 +154,19 @@ def conventions(family: str | None) -> dict:
 
 
 def moe_from_hf(config: Mapping) -> MoeConfig | None:
-  """The MoE FFN of a DeepSeek-V3 / GLM-4.5 config.json (n_routed_experts), else None.
+  """The MoE FFN of a DeepSeek-V3 / GLM-4.5 (n_routed_experts) or Qwen3-Next (num_experts)
+  config.json, else None.
 
-  Both route with sigmoid scores and an e_score_correction_bias (transformers' DeepseekV3 /
-  Glm4Moe TopkRouter; DeepSeek-V3's config says so in scoring_func / topk_method)."""
+  DeepSeek-V3 and GLM-4.5 route with sigmoid scores and an e_score_correction_bias (transformers'
+  DeepseekV3 / Glm4Moe TopkRouter; DeepSeek-V3's config says so in scoring_func / topk_method).
+  Qwen3-Next routes with softmax scores and adds one shared expert scaled by
+  sigmoid(shared_expert_gate(x)) (transformers' Qwen3NextSparseMoeBlock)."""
+  if family_of(config) == "qwen3_next" and config.get("num_experts"):
+    shared = config.get("shared_expert_intermediate_size") or 0
+    return MoeConfig(num_experts=config["num_experts"], num_experts_per_tok=config["num_experts_per_tok"],
+                     moe_intermediate_size=config["moe_intermediate_size"], scoring="softmax",
+                     norm_topk_prob=config.get("norm_topk_prob", True), n_shared_experts=1 if shared else 0,
+                     shared_expert_intermediate_size=shared or None, shared_expert_gate=bool(shared))
   if not config.get("n_routed_experts"):
     return None
   scoring = config.get("scoring_func", "sigmoid")
@@ -209,7 +222,8 @@ def block_kwargs_from_hf(config: Mapping) -> dict:
       rope_interleave=bool(config.get("rope_interleave", model_type in _INTERLEAVED_ROPE or mla is not None)),
       rope_scaling=scaling,
       mla=mla,
-      qk_norm=bool(config.get("use_qk_norm", False)),  # GLM-4.5's per-head q / k RMSNorms
+      # GLM-4.5's per-head q / k RMSNorms (use_qk_norm); Qwen3-Next's from FAMILY_BLOCKS below.
+      qk_norm=bool(config.get("use_qk_norm", False)),
       moe=moe_from_hf(config),
       hidden_size=config["hidden_size"],
       num_heads=heads,
@@ -221,7 +235,7 @@ def block_kwargs_from_hf(config: Mapping) -> dict:
       rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
       # Qwen2-family configs (MiMo) have no attention_bias key: their q, k, v always carry biases.
       attention_bias=config.get("attention_bias", model_type in ("qwen2", "mimo")),
-  )
+  ) | FAMILY_BLOCKS.get(family_of(config), {})
 
 
 def config_from_hf(config: Mapping | str | os.PathLike, *, layout: str | None = None) -> MtpConfig:
@@ -248,7 +262,9 @@ def _swap_halves(w: np.ndarray) -> np.ndarray:
 
 
 def _plus_one(w: np.ndarray) -> np.ndarray:
-  # Qwen3-Next RMSNorms scale by (1 + weight); float32 so bf16 weights near 0 keep their precision.
+  # Qwen3-Next stores its RMSNorm weights zero-centred (scale 1 + weight). A config with
+  # norm_unit_offset reads them as stored; one without gets 1 + weight, in float32 so bf16
+  # weights near 0 keep their precision.
   return w.astype(np.float32) + 1.0
 
 
@@ -304,7 +320,7 @@ def _plan(layout, cfg, names, first_layer, tied):
     prefixes = [f"mtp.layers.{i}." for i in ks] + [
         n.removesuffix("weight") for n in _QWEN3_NEXT_SHARED.values()]
     source = lambda i, s: (_QWEN3_NEXT_SHARED.get(s, f"mtp.layers.{i}.{s}"),
-                           _plus_one if s.endswith("norm.weight") else None)
+                           _plus_one if s.endswith("norm.weight") and not cfg.norm_unit_offset else None)
   else:
     raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
   if tied:  # tie_word_embeddings: the LM head is the (main) embedding matrix
@@ -338,7 +354,8 @@ def to_canonical(source: Mapping | CheckpointReader, layout: str, cfg: MtpConfig
   first_layer: deepseek only, the layer index of MTP module 0 (HF num_hidden_layers); by default
   the lowest layer holding an eh_proj. tied: the checkpoint ties the LM head to the embedding
   (config tie_word_embeddings), so lm_head.weight is read from the embedding. Dtypes stay as
-  stored, except that Qwen3-Next norm weights come back float32. Arrays read once (a shared Qwen3-Next fc) are shared between names.
+  stored, except that Qwen3-Next norm weights read into a config without norm_unit_offset come
+  back as 1 + weight in float32. Arrays read once (a shared Qwen3-Next fc) are shared between names.
   """
   names = set(source.keys())
   plan, prefixes = _plan(layout, cfg, names, first_layer, tied)

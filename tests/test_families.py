@@ -9,6 +9,7 @@ written from the engines' forward, on tiny random released directories.
 - MiMo: vLLM model_executor/models/mimo_mtp.py (MiMoMultiTokenPredictorLayer.forward) and SGLang
   srt/models/mimo_mtp.py: position 0 zeroed, input_proj(concat(hidden_layernorm(h),
   token_layernorm(e))) (hidden first), a Qwen2 block, final_layernorm handed on and scored.
+- Qwen3-Next: vLLM model_executor/models/qwen3_next_mtp.py (see Qwen3NextRefMtp below).
 Depths past the released module count reuse module 0 (vLLM: spec_step_idx % num_mtp_layers).
 """
 
@@ -18,13 +19,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3NextConfig
+from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 from transformers.models.ernie4_5.modeling_ernie4_5 import Ernie4_5DecoderLayer, Ernie4_5RMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm
 
 import mtp_jax
 from mtp_jax import layouts
 from mtp_jax.checkpoint import save_tensors
+from mtp_jax.pretrained import load_mtp
 
 V, D, N_LAYERS, DEPTHS = 48, 32, 2, 2
 COMMON = dict(vocab_size=V, hidden_size=D, intermediate_size=48, num_hidden_layers=N_LAYERS,
@@ -32,13 +35,13 @@ COMMON = dict(vocab_size=V, hidden_size=D, intermediate_size=48, num_hidden_laye
               rope_parameters={"rope_type": "default", "rope_theta": 500.0})
 
 
-def _init_all(module, seed):
+def _init_all(module, seed, norm_centre=1.0):
   gen = torch.Generator().manual_seed(seed)
   with torch.no_grad():
     for name, p in module.named_parameters():
       noise = torch.randn(p.shape, generator=gen)
       if name.endswith("norm.weight"):
-        p.copy_(1 + 0.2 * noise)
+        p.copy_(norm_centre + 0.2 * noise)
       elif p.ndim == 1:
         p.copy_(0.2 * noise)
       else:
@@ -189,3 +192,106 @@ def test_longcat_and_mimo_v2_names(layout):
   raw[p + "self_attn.q_a_proj.weight"] = np.zeros((4, 16), np.float32)
   with pytest.raises(NotImplementedError, match=r"q_a_proj"):
     layouts.to_canonical(raw, layout, cfg)
+
+
+QN_DEPTHS = 2
+
+
+class Qwen3NextRefMtp(torch.nn.Module):
+  """Qwen3-Next's MTP as vLLM model_executor/models/qwen3_next_mtp.py (Qwen3NextMultiTokenPredictor
+  .forward) runs it: fc(concat(pre_fc_norm_embedding(e), pre_fc_norm_hidden(h))) (embedding first,
+  no position-0 mask), one full-attention decoder layer (layers[spec_step_idx % num_mtp_layers]),
+  then the shared mtp.norm, handed on and scored by the target's lm_head. The layer is built from
+  transformers' Qwen3NextAttention (per-head [q | gate] q_proj, q / k norms, partial RoPE) and
+  Qwen3NextSparseMoeBlock; every RMSNorm is Qwen3NextRMSNorm's (1 + w), w stored zero-centred."""
+
+  def __init__(self, config):
+    super().__init__()
+    norm = lambda: qwen3_next.Qwen3NextRMSNorm(D, eps=config.rms_norm_eps)
+    self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm = norm(), norm(), norm()
+    self.fc = torch.nn.Linear(2 * D, D, bias=False)
+    self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+    self.self_attn = qwen3_next.Qwen3NextAttention(config, 1)
+    self.mlp = qwen3_next.Qwen3NextSparseMoeBlock(config)
+    self.rotary = qwen3_next.Qwen3NextRotaryEmbedding(config)
+
+  def released(self):
+    """name -> tensor as released (mtp.*; experts one tensor per expert, torch [out, in])."""
+    out = {}
+    for n, p in self.named_parameters():
+      p = p.detach().numpy()
+      if n.startswith(("pre_fc", "fc.", "norm.")):
+        out[f"mtp.{n}"] = p
+      elif n == "mlp.experts.gate_up_proj":  # [E, 2 Fe, D]: gate rows, then up rows
+        for e, w in enumerate(p):
+          gate, up = np.split(w, 2)
+          out[f"mtp.layers.0.mlp.experts.{e}.gate_proj.weight"] = gate
+          out[f"mtp.layers.0.mlp.experts.{e}.up_proj.weight"] = up
+      elif n == "mlp.experts.down_proj":
+        for e, w in enumerate(p):
+          out[f"mtp.layers.0.mlp.experts.{e}.down_proj.weight"] = w
+      else:
+        out[f"mtp.layers.0.{n}"] = p
+    return out
+
+  def forward(self, emb, h, positions):
+    """emb, h: float32[1, T, D]; positions: int[1, T]; returns the normed hidden float32[1, T, D]."""
+    x = self.fc(torch.cat([self.pre_fc_norm_embedding(emb), self.pre_fc_norm_hidden(h)], -1))
+    t = x.shape[1]
+    mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+    attn = self.self_attn(self.input_layernorm(x), self.rotary(x, positions), mask)[0]
+    x = x + attn
+    x = x + self.mlp(self.post_attention_layernorm(x))
+    return self.norm(x)
+
+
+def test_qwen3_next_mtp_equals_engine_reference(tmp_path):
+  """MTP only (mtp_jax builds no Qwen3-Next target): the caller hands in the target's hidden."""
+  config = Qwen3NextConfig(vocab_size=V, hidden_size=D, num_attention_heads=4, num_key_value_heads=2,
+                           head_dim=16, intermediate_size=48, moe_intermediate_size=24,
+                           shared_expert_intermediate_size=40, num_experts=8, num_experts_per_tok=2,
+                           num_hidden_layers=2, layer_types=["linear_attention", "full_attention"],
+                           rms_norm_eps=1e-6, max_position_embeddings=256, tie_word_embeddings=False,
+                           rope_parameters={"rope_type": "default", "rope_theta": 500.0,
+                                            "partial_rotary_factor": 0.25})
+  config._attn_implementation = "eager"
+  ref = Qwen3NextRefMtp(config).eval()
+  _init_all(ref, 2, norm_centre=0.0)  # zero-centred, as Qwen3-Next stores its norms
+  rng = np.random.default_rng(3)
+  embed = rng.standard_normal((V, D)).astype(np.float32)
+  lm_head = (rng.standard_normal((V, D)) / D ** 0.5).astype(np.float32)
+  save_tensors(tmp_path / "model.safetensors", ref.released() | {"model.embed_tokens.weight": embed,
+                                                                  "lm_head.weight": lm_head})
+  hf = json.loads(config.to_json_string()) | {"mtp_num_hidden_layers": 1}
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+
+  proposer = load_mtp(tmp_path, dtype="float32", max_depth=QN_DEPTHS)
+  cfg = proposer.cfg
+  assert (cfg.qk_norm, cfg.attention_gate, cfg.norm_unit_offset, cfg.partial_rotary_factor) == (True, True, True, 0.25)
+  assert (cfg.moe.scoring, cfg.moe.shared_expert_gate, cfg.moe.shared_width) == ("softmax", True, 40)
+  assert {k: getattr(cfg, k) for k in layouts.conventions("qwen3_next")} == layouts.conventions("qwen3_next")
+
+  n = 10
+  toks = rng.integers(0, V, (1, n + QN_DEPTHS))
+  hidden = rng.standard_normal((1, n, D)).astype(np.float32)
+
+  def chain(toks):  # cache-free reference over every row: float32[depths, n, V]
+    with torch.no_grad():
+      h, out = torch.from_numpy(hidden), []
+      for m in range(1, QN_DEPTHS + 1):
+        emb = torch.from_numpy(embed[toks[:, m:m + n]])
+        h = ref(emb, h, torch.arange(n)[None] + m - 1)
+        out.append(h[0].numpy() @ lm_head.T)
+    return np.stack(out)
+
+  want = chain(toks)
+  assert np.isfinite(want).all()
+  got = mtp_jax.forward_chain(proposer, jnp.asarray(hidden), jnp.asarray(toks[:, 1:], jnp.int32))
+  np.testing.assert_allclose(np.asarray(got[:, 0]), want, rtol=1e-4, atol=1e-4)
+  ref_drafts = [int(np.argmax(want[0, -1]))]
+  ext = toks.copy()
+  ext[0, n + 1] = ref_drafts[0]
+  ref_drafts.append(int(np.argmax(chain(ext)[1, -1])))
+  drafts, _ = mtp_jax.propose(proposer, mtp_jax.init_state(cfg, 1, 32), hidden, toks[:, 1:n + 1],
+                              np.array([n], np.int32), num_drafts=QN_DEPTHS)
+  assert np.asarray(drafts)[0].tolist() == ref_drafts

@@ -22,7 +22,8 @@ QWEN_NAMES = {"enorm.weight": "mtp.pre_fc_norm_embedding.weight",
 def tiny_cfg(bias=False, layout="deepseek"):
   return MtpConfig(hidden_size=D, num_heads=H, num_kv_heads=HKV, head_dim=DH, intermediate_size=F,
                    rms_norm_eps=1e-5, rope_theta=5000.0, attention_bias=bias, vocab_size=V,
-                   num_modules=K, **layouts.conventions(layouts.family_of({}, layout)))
+                   num_modules=K, **layouts.conventions(layouts.family_of({}, layout)),
+                   **layouts.FAMILY_BLOCKS.get(layouts.family_of({}, layout), {}))
 
 
 def canonical_tensors(cfg, seed=0, shared_across_modules=False):
@@ -79,9 +80,7 @@ def to_qwen3_next(canon, cfg):
   out = {**_target_extras(), "model.embed_tokens.weight": canon["embed_tokens.weight"],
          "lm_head.weight": canon["lm_head.weight"]}
   for i in range(cfg.num_modules):
-    for s, v in _module(canon, i).items():
-      if s.endswith("norm.weight"):  # Qwen3-Next RMSNorms scale by (1 + w)
-        v = v - 1
+    for s, v in _module(canon, i).items():  # norms zero-centred as stored: cfg.norm_unit_offset
       out[QWEN_NAMES.get(s, f"mtp.layers.{i}.{s}")] = v
   return out
 
@@ -163,16 +162,21 @@ def test_mimo_input_proj_halves_are_swapped():
 
 def test_qwen3_next_shared_set_replicated_and_norms_shifted():
   cfg = tiny_cfg(False, "qwen3_next")
+  assert cfg.norm_unit_offset and cfg.qk_norm and cfg.attention_gate
   canon = canonical_tensors(cfg, shared_across_modules=True)
   raw = to_qwen3_next(canon, cfg)
   got = layouts.to_canonical(raw, "qwen3_next", cfg)
+  # A config without the (1 + w) norms gets the stored zero-centred weights shifted by 1.
+  plain = dataclasses.replace(cfg, norm_unit_offset=False)
+  shifted = layouts.to_canonical(raw, "qwen3_next", plain)
   for i in range(K):
     np.testing.assert_array_equal(got[f"mtp.{i}.eh_proj.weight"], raw["mtp.fc.weight"])
-    np.testing.assert_array_equal(got[f"mtp.{i}.enorm.weight"],
-                                  raw["mtp.pre_fc_norm_embedding.weight"] + 1)
-    np.testing.assert_array_equal(got[f"mtp.{i}.input_layernorm.weight"],
-                                  raw[f"mtp.layers.{i}.input_layernorm.weight"] + 1)
-    assert got[f"mtp.{i}.shared_head.norm.weight"].dtype == np.float32
+    for name, stored in ((f"mtp.{i}.enorm.weight", "mtp.pre_fc_norm_embedding.weight"),
+                         (f"mtp.{i}.input_layernorm.weight", f"mtp.layers.{i}.input_layernorm.weight"),
+                         (f"mtp.{i}.self_attn.q_norm.weight", f"mtp.layers.{i}.self_attn.q_norm.weight")):
+      np.testing.assert_array_equal(got[name], raw[stored])
+      np.testing.assert_array_equal(shifted[name], raw[stored] + 1)
+    assert shifted[f"mtp.{i}.shared_head.norm.weight"].dtype == np.float32
 
 
 def test_only_needed_tensors_are_read(tmp_path, monkeypatch):
@@ -237,7 +241,7 @@ def test_wrong_shape_is_named(tmp_path, layout):
     ("deepseek", "model.layers.4.mlp.gate.weight"),
     ("deepseek", "model.layers.3.self_attn.kv_a_proj_with_mqa.weight"),
     ("mimo", "model.mtp_layers.1.self_attn.q_proj.bias"),
-    ("qwen3_next", "mtp.layers.0.self_attn.q_norm.weight"),
+    ("qwen3_next", "mtp.layers.0.linear_attn.A_log"),
     ("qwen3_next", "mtp.layers.1.mlp.shared_expert_gate.weight"),
     ("qwen3_next", "mtp.fc.weight_scale_inv"),
 ])
