@@ -55,6 +55,8 @@ class MlaConfig:
 
   q_lora_rank None: a plain q_proj. Per head, queries and keys have qk_nope_head_dim + qk_rope_head_dim
   dims (only the last qk_rope_head_dim rotate), values v_head_dim.
+  q_lora_scale / kv_lora_scale: LongCat-Flash multiplies every query (nope and rope parts) and the
+  normed latent by these (sqrt(hidden_size / rank) there); 1.0, DeepSeek-V3's, leaves them as is.
   """
 
   kv_lora_rank: int
@@ -62,6 +64,8 @@ class MlaConfig:
   qk_rope_head_dim: int
   v_head_dim: int
   q_lora_rank: int | None = None
+  q_lora_scale: float = 1.0
+  kv_lora_scale: float = 1.0
 
   def __post_init__(self):
     _check_positive("MlaConfig", kv_lora_rank=self.kv_lora_rank, qk_nope_head_dim=self.qk_nope_head_dim,
@@ -70,6 +74,10 @@ class MlaConfig:
       _check_positive("MlaConfig", q_lora_rank=self.q_lora_rank)
     if self.qk_rope_head_dim % 2:
       raise ValueError(f"MlaConfig.qk_rope_head_dim must be even, got {self.qk_rope_head_dim}")
+    for name in ("q_lora_scale", "kv_lora_scale"):
+      value = getattr(self, name)
+      if not (isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf")):
+        raise ValueError(f"MlaConfig.{name} must be a positive finite number, got {value!r}")
 
 
 def _as(cls, value):

@@ -122,7 +122,12 @@ _INTERLEAVED_ROPE = ("ernie4_5", "ernie4_5_moe")
 # RMSNorms, q_proj giving per head [q | gate], and zero-centred (1 + w) RMSNorms throughout.
 FAMILY_BLOCKS = {"qwen3_next": dict(qk_norm=True, attention_gate=True, norm_unit_offset=True)}
 # Families whose MLA is mtp_jax's (blocks/mla.py); LongCat-Flash's also scales q and the latent.
-_MLA_TYPES = ("deepseek_v3",)
+_MLA_TYPES = ("deepseek_v3", "longcat_flash")
+# LongCat-Flash: the MTP module's FFN is dense (vLLM longcat_flash_mtp.py clears n_routed_experts),
+# its width ffn_hidden_size (transformers' LongcatFlashConfig); one module when the config says
+# nothing (SGLang's LongcatFlashConfig default num_nextn_predict_layers=1).
+_DENSE_MTP_TYPES = ("longcat_flash",)
+_FAMILY_NUM_MTP = {"longcat_flash": 1}
 
 
 def _load_json(config):
@@ -167,7 +172,7 @@ def moe_from_hf(config: Mapping) -> MoeConfig | None:
                      moe_intermediate_size=config["moe_intermediate_size"], scoring="softmax",
                      norm_topk_prob=config.get("norm_topk_prob", True), n_shared_experts=1 if shared else 0,
                      shared_expert_intermediate_size=shared or None, shared_expert_gate=bool(shared))
-  if not config.get("n_routed_experts"):
+  if not config.get("n_routed_experts") or config.get("model_type") in _DENSE_MTP_TYPES:
     return None
   scoring = config.get("scoring_func", "sigmoid")
   if config.get("topk_method", "noaux_tc") != "noaux_tc":
@@ -182,15 +187,29 @@ def moe_from_hf(config: Mapping) -> MoeConfig | None:
 
 
 def mla_from_hf(config: Mapping) -> MlaConfig | None:
-  """The MLA attention of a DeepSeek-V3 config.json (kv_lora_rank set), else None."""
+  """The MLA attention of a DeepSeek-V3 or LongCat-Flash config.json (kv_lora_rank set), else None.
+
+  LongCat-Flash scales the query by sqrt(hidden_size / q_lora_rank) and the normed latent by
+  sqrt(hidden_size / kv_lora_rank) (transformers' LongcatFlashMLA always; SGLang / vLLM fold them
+  into q_a_layernorm / kv_a_layernorm when mla_scale_q_lora / mla_scale_kv_lora, default true)."""
   if not config.get("kv_lora_rank"):
     return None
-  if config.get("model_type") not in _MLA_TYPES:
-    raise ValueError(f"config.json: MLA (kv_lora_rank) of model_type {config.get('model_type')!r} is not "
+  model_type = config.get("model_type")
+  if model_type not in _MLA_TYPES:
+    raise ValueError(f"config.json: MLA (kv_lora_rank) of model_type {model_type!r} is not "
                      f"supported, only {', '.join(_MLA_TYPES)}'s")
+  scales = {}
+  if model_type == "longcat_flash":
+    d, q_rank, kv_rank = config["hidden_size"], config.get("q_lora_rank"), config["kv_lora_rank"]
+    if config.get("mla_scale_q_lora", True):
+      if not q_rank:
+        raise ValueError("config.json: mla_scale_q_lora needs q_lora_rank (LongCat-Flash always has a q LoRA)")
+      scales["q_lora_scale"] = (d / q_rank) ** 0.5
+    if config.get("mla_scale_kv_lora", True):
+      scales["kv_lora_scale"] = (d / kv_rank) ** 0.5
   return MlaConfig(kv_lora_rank=config["kv_lora_rank"], q_lora_rank=config.get("q_lora_rank"),
                    qk_nope_head_dim=config["qk_nope_head_dim"], qk_rope_head_dim=config["qk_rope_head_dim"],
-                   v_head_dim=config["v_head_dim"])
+                   v_head_dim=config["v_head_dim"], **scales)
 
 
 def block_kwargs_from_hf(config: Mapping) -> dict:
@@ -230,7 +249,8 @@ def block_kwargs_from_hf(config: Mapping) -> dict:
       # MLA has no kv heads (every head reads the latent); DeepSeek-V3 configs still carry a count.
       num_kv_heads=heads if mla is not None else config.get("num_key_value_heads") or heads,
       head_dim=config.get("head_dim") or config["hidden_size"] // heads,
-      intermediate_size=config["intermediate_size"],
+      # LongCat-Flash names it ffn_hidden_size (transformers maps intermediate_size onto it).
+      intermediate_size=config.get("intermediate_size") or config["ffn_hidden_size"],
       rms_norm_eps=config.get("rms_norm_eps", 1e-6),
       rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
       # Qwen2-family configs (MiMo) have no attention_bias key: their q, k, v always carry biases.
@@ -248,7 +268,8 @@ def config_from_hf(config: Mapping | str | os.PathLike, *, layout: str | None = 
   config = _load_json(config)
   if "mtp_jax" in config:
     return MtpConfig(**config["mtp_jax"])
-  num_modules = next((config[k] for k in _NUM_MTP_KEYS if config.get(k)), None)
+  num_modules = next((config[k] for k in _NUM_MTP_KEYS if config.get(k)),
+                     _FAMILY_NUM_MTP.get(config.get("model_type")))
   if num_modules is None:
     raise ValueError(f"config has no MTP modules (none of {_NUM_MTP_KEYS} is set and positive)")
   return MtpConfig(**block_kwargs_from_hf(config), vocab_size=config["vocab_size"], num_modules=num_modules,

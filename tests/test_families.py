@@ -10,6 +10,7 @@ written from the engines' forward, on tiny random released directories.
   srt/models/mimo_mtp.py: position 0 zeroed, input_proj(concat(hidden_layernorm(h),
   token_layernorm(e))) (hidden first), a Qwen2 block, final_layernorm handed on and scored.
 - Qwen3-Next: vLLM model_executor/models/qwen3_next_mtp.py (see Qwen3NextRefMtp below).
+- LongCat-Flash: vLLM model_executor/models/longcat_flash_mtp.py (see LongcatRefMtp below).
 Depths past the released module count reuse module 0 (vLLM: spec_step_idx % num_mtp_layers).
 """
 
@@ -19,7 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import Ernie4_5Config, Ernie4_5ForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3NextConfig
+from transformers import (Ernie4_5Config, Ernie4_5ForCausalLM, LongcatFlashConfig, Qwen2Config, Qwen2ForCausalLM,
+                          Qwen3NextConfig)
+from transformers.models.longcat_flash import modeling_longcat_flash as longcat
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 from transformers.models.ernie4_5.modeling_ernie4_5 import Ernie4_5DecoderLayer, Ernie4_5RMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm
@@ -294,4 +297,102 @@ def test_qwen3_next_mtp_equals_engine_reference(tmp_path):
   ref_drafts.append(int(np.argmax(chain(ext)[1, -1])))
   drafts, _ = mtp_jax.propose(proposer, mtp_jax.init_state(cfg, 1, 32), hidden, toks[:, 1:n + 1],
                               np.array([n], np.int32), num_drafts=QN_DEPTHS)
+  assert np.asarray(drafts)[0].tolist() == ref_drafts
+
+
+LC_DEPTHS = 2
+
+
+class LongcatRefMtp(torch.nn.Module):
+  """LongCat-Flash's MTP as vLLM model_executor/models/longcat_flash_mtp.py
+  (LongCatMultiTokenPredictorLayer.forward) runs it: eh_proj(concat(enorm(e), hnorm(h))) (embedding
+  first, no position-0 mask), one pre-norm decoder layer (its DeepseekV2DecoderLayer with the MoE
+  cleared: MLA, then a dense SiLU MLP), then the shared final norm (released model.mtp.norm), handed
+  on and scored by the main lm_head; layers[spec_step_idx % num_mtp_layers]. The attention is
+  transformers' LongcatFlashMLA (q and the normed latent scaled by sqrt(hidden / rank); vLLM and
+  SGLang's longcat_flash_nextn.py fold the same factors into q_a_layernorm / kv_a_layernorm)."""
+
+  def __init__(self, config):
+    super().__init__()
+    norm = lambda: longcat.LongcatFlashRMSNorm(D, eps=config.rms_norm_eps)
+    self.enorm, self.hnorm, self.norm = norm(), norm(), norm()
+    self.eh_proj = torch.nn.Linear(2 * D, D, bias=False)
+    self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+    self.self_attn = longcat.LongcatFlashMLA(config, 0)
+    self.mlp = longcat.LongcatFlashMLP(config, config.ffn_hidden_size)
+    self.rotary = longcat.LongcatFlashRotaryEmbedding(config)
+
+  def released(self):
+    """name -> tensor under the released model.mtp.* names (vLLM load_weights' mapping)."""
+    out = {}
+    for n, p in self.named_parameters():
+      p = p.detach().numpy()
+      if n.startswith(("enorm.", "hnorm.")):
+        out[f"model.mtp.layers.0.{n.split('.')[0]}.m.weight"] = p
+      elif n == "norm.weight":
+        out["model.mtp.norm.weight"] = p
+      elif n.startswith("mlp."):
+        out[f"model.mtp.layers.0.transformer_layer.{n}"] = p
+      else:
+        out[f"model.mtp.layers.0.{n}"] = p
+    return out
+
+  def forward(self, emb, h, positions):
+    """emb, h: float32[1, T, D]; positions: int[1, T]; returns the normed hidden float32[1, T, D]."""
+    x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], -1))
+    t = x.shape[1]
+    mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+    x = x + self.self_attn(self.input_layernorm(x), self.rotary(x, positions), mask)[0]
+    x = x + self.mlp(self.post_attention_layernorm(x))
+    return self.norm(x)
+
+
+def test_longcat_mtp_equals_engine_reference(tmp_path):
+  """MTP only (mtp_jax builds no LongCat-Flash target): the caller hands in the target's hidden.
+  The config keeps its routed experts: the MTP module is dense whatever they say."""
+  config = LongcatFlashConfig(vocab_size=V, hidden_size=D, num_layers=1, num_attention_heads=4,
+                              ffn_hidden_size=48, q_lora_rank=8, kv_lora_rank=16, qk_nope_head_dim=8,
+                              qk_rope_head_dim=8, head_dim=8, v_head_dim=12, n_routed_experts=4,
+                              expert_ffn_hidden_size=16, zero_expert_num=2, moe_topk=2, rms_norm_eps=1e-5,
+                              max_position_embeddings=256, tie_word_embeddings=False,
+                              rope_parameters={"rope_type": "default", "rope_theta": 500.0})
+  config._attn_implementation = "eager"
+  ref = LongcatRefMtp(config).eval()
+  _init_all(ref, 4)
+  rng = np.random.default_rng(5)
+  embed = rng.standard_normal((V, D)).astype(np.float32)
+  lm_head = (rng.standard_normal((V, D)) / D ** 0.5).astype(np.float32)
+  save_tensors(tmp_path / "model.safetensors", ref.released() | {"model.embed_tokens.weight": embed,
+                                                                  "lm_head.weight": lm_head})
+  (tmp_path / "config.json").write_text(config.to_json_string())
+
+  proposer = load_mtp(tmp_path, dtype="float32", max_depth=LC_DEPTHS)
+  cfg = proposer.cfg
+  assert cfg.moe is None and cfg.num_modules == 1 and cfg.rope_interleave
+  assert (cfg.mla.q_lora_scale, cfg.mla.kv_lora_scale) == ((D / 8) ** 0.5, (D / 16) ** 0.5)
+  assert {k: getattr(cfg, k) for k in layouts.conventions("longcat_flash")} == layouts.conventions("longcat_flash")
+
+  n = 10
+  toks = rng.integers(0, V, (1, n + LC_DEPTHS))
+  hidden = rng.standard_normal((1, n, D)).astype(np.float32)
+
+  def chain(toks):  # cache-free reference over every row: float32[depths, n, V]
+    with torch.no_grad():
+      h, out = torch.from_numpy(hidden), []
+      for m in range(1, LC_DEPTHS + 1):
+        h = ref(torch.from_numpy(embed[toks[:, m:m + n]]), h, torch.arange(n)[None] + m - 1)
+        out.append(h[0].numpy() @ lm_head.T)
+    return np.stack(out)
+
+  want = chain(toks)
+  assert np.isfinite(want).all()
+  got = mtp_jax.forward_chain(proposer, jnp.asarray(hidden), jnp.asarray(toks[:, 1:], jnp.int32))
+  np.testing.assert_allclose(np.asarray(got[:, 0]), want, rtol=1e-4, atol=1e-4)
+  # Drafts go through the latent cache (absorbed form, scaled latent stored): the reference's greedy chain.
+  ref_drafts = [int(np.argmax(want[0, -1]))]
+  ext = toks.copy()
+  ext[0, n + 1] = ref_drafts[0]
+  ref_drafts.append(int(np.argmax(chain(ext)[1, -1])))
+  drafts, _ = mtp_jax.propose(proposer, mtp_jax.init_state(cfg, 1, 32), hidden, toks[:, 1:n + 1],
+                              np.array([n], np.int32), num_drafts=LC_DEPTHS)
   assert np.asarray(drafts)[0].tolist() == ref_drafts

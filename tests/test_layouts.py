@@ -293,8 +293,17 @@ def test_config_from_hf(tmp_path):
   assert got.mla == MlaConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
   assert got.num_kv_heads == H and got.rope_interleave
   assert not layouts.config_from_hf({**config, **mla, "rope_interleave": False}).rope_interleave
-  with pytest.raises(ValueError, match="MLA.*'longcat_flash' is not supported"):
-    layouts.config_from_hf({**config, **mla, "model_type": "longcat_flash"})
+  with pytest.raises(ValueError, match="MLA.*'kimi_k2' is not supported"):
+    layouts.config_from_hf({**config, **mla, "model_type": "kimi_k2"})
+  # LongCat-Flash: q and latent scaled by sqrt(hidden / rank) unless its config turns them off.
+  longcat = {**config, **mla, "q_lora_rank": 8, "model_type": "longcat_flash"}
+  got = layouts.config_from_hf(longcat).mla
+  assert (got.q_lora_scale, got.kv_lora_scale) == ((D / 8) ** 0.5, (D / 16) ** 0.5)
+  got = layouts.config_from_hf({**longcat, "mla_scale_q_lora": False, "mla_scale_kv_lora": False}).mla
+  assert (got.q_lora_scale, got.kv_lora_scale) == (1.0, 1.0)
+  for bad in (0.0, -1.0, float("nan"), True):
+    with pytest.raises(ValueError, match="MlaConfig.kv_lora_scale"):
+      MlaConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, kv_lora_scale=bad)
   for bad, match in [({"rope_scaling": {"type": "yarn", "factor": 40}}, "yarn"),
                      ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "dynamic"),
                      ({"hidden_act": "gelu"}, "gelu"),

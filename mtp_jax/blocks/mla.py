@@ -1,6 +1,7 @@
 """Multi-head latent attention (DeepSeek-V2/V3, LongCat) over a latent cache (`MlaCache`).
 
-Per row the cache holds the compressed latent c = kv_a_layernorm(.) dtype[R] and one rope key
+Per row the cache holds the compressed latent c = kv_a_layernorm(.) dtype[R] (times kv_lora_scale,
+LongCat's, so prefill and decode read the same scaled latent) and one rope key
 shared by all heads dtype[Dr]; kv_b_proj expands c into per-head keys (Dn) and values (Dv).
 
 Two equal forms (tests/test_blocks.py checks they agree):
@@ -71,10 +72,14 @@ class MlaAttention(nnx.Module):
       q = self.q_proj(x_BxTxD)
     else:
       q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BxTxD)))
+    if m.q_lora_scale != 1.0:
+      q = q * jnp.asarray(m.q_lora_scale, q.dtype)
     q = q.reshape(b, t, h, m.qk_nope_head_dim + m.qk_rope_head_dim)
     q_nope_BxTxHxDn, q_rope_BxTxHxDr = q[..., :m.qk_nope_head_dim], rope(q[..., m.qk_nope_head_dim:])
     kv = self.kv_a_proj_with_mqa(x_BxTxD)
     latent_BxTxR = self.kv_a_layernorm(kv[..., :m.kv_lora_rank])
+    if m.kv_lora_scale != 1.0:
+      latent_BxTxR = latent_BxTxR * jnp.asarray(m.kv_lora_scale, latent_BxTxR.dtype)
     k_rope_BxTxDr = rope(kv[..., None, m.kv_lora_rank:])[:, :, 0]
     new_cache, (latent_BxSxR, k_rope_BxSxDr), key_rows_BxS = cache_lib.update(
         cache, rows_BxT, valid_BxT, latent_BxTxR, k_rope_BxTxDr)
