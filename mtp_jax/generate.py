@@ -27,8 +27,9 @@ from mtp_jax import sharding, validate
 from mtp_jax.blocks.paged import check_paging
 from mtp_jax.mtp import MtpModel
 from mtp_jax.sampling import sample
-from mtp_jax.target import TargetModel, TargetState, init_target_state, target_step, trim_target
-from mtp_jax.verify import verify_greedy, verify_relaxed, verify_sampling
+from mtp_jax.target import TargetModel, TargetState, compact_target, init_target_state, target_step, trim_target
+from mtp_jax.tree import TreeSpec, check_tree
+from mtp_jax.verify import verify_greedy, verify_relaxed, verify_sampling, verify_tree_greedy
 
 PROMPT_BUCKET = 32  # prompts are padded to a multiple of this: one compile per bucket
 MIN_CAPACITY = 256  # cache rows per sequence to start with (unless fewer will do); doubled as needed
@@ -51,7 +52,7 @@ class LoopState:
   target: TargetState
   proposer: prop.ProposerState | None
   last: jax.Array            # int32[B]
-  drafts: jax.Array          # int32[B, k]
+  drafts: jax.Array          # int32[B, k], or the tree's int32[B, N]
   grammar_state: jax.Array | None  # int32[B], after the emitted tokens; None without a grammar
   out: jax.Array             # int32[B, max_new + k + 1], emitted tokens
   num_out: jax.Array         # int32[B]
@@ -81,6 +82,12 @@ class _Settings:
   mesh: jax.sharding.Mesh | None = None
   page_size: int | None = None
   num_pages: int | None = None
+  tree: TreeSpec | None = None
+
+
+def _rows_per_step(cfg: _Settings) -> int:
+  """Target rows a decode step writes: [last, d_1..d_k], or the root and the tree's N nodes."""
+  return (cfg.num_drafts if cfg.tree is None else cfg.tree.num_nodes) + 1
 
 
 def _emit(s: LoopState, new_BxJ, n_emit_B, cfg: _Settings, active_B) -> tuple[LoopState, jax.Array]:
@@ -112,9 +119,10 @@ def _draft(proposer, grammar, pstate, hid, tokens, num_new_B, gstate_B, key, cfg
   """propose() with the loop's fixed k, so only the k drafting modules run (catch_up=False); with a
   grammar, drafts are masked as cfg.draft_masks says (an ablation switch)."""
   draft_grammar = None if cfg.draft_masks == "none" else grammar
-  return prop._propose(proposer, pstate, hid, tokens, num_new_B, cfg.num_drafts, key, cfg.temperature,
-                       cfg.top_k, cfg.top_p, draft_grammar, None if draft_grammar is None else gstate_B,
-                       False, cfg.draft_masks == "per_position", catch_up=False)
+  drafts, pstate = prop._propose(proposer, pstate, hid, tokens, num_new_B, cfg.num_drafts, key, cfg.temperature,
+                                 cfg.top_k, cfg.top_p, draft_grammar, None if draft_grammar is None else gstate_B,
+                                 False, cfg.draft_masks == "per_position", catch_up=False, tree=cfg.tree)
+  return (drafts if cfg.tree is None else drafts.tokens), pstate
 
 
 def _split(key, cfg: _Settings):
@@ -139,7 +147,7 @@ def _start(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key, cfg: _
   if grammar is not None:
     gstate_B = grammar_lib.advance(grammar, gstate_B, first_B)
   one = jnp.ones((b,), jnp.int32)
-  s = LoopState(target=tstate, proposer=None, last=first_B, drafts=jnp.zeros((b, k), jnp.int32),
+  s = LoopState(target=tstate, proposer=None, last=first_B, drafts=jnp.zeros((b, _rows_per_step(cfg) - 1), jnp.int32),
                 grammar_state=gstate_B,
                 out=jnp.zeros((b, _out_width(cfg)), jnp.int32), num_out=jnp.zeros((b,), jnp.int32),
                 done=jnp.zeros((b,), bool), key=key, target_calls=one, verify_calls=0 * one,
@@ -177,18 +185,26 @@ def _step(target, proposer, grammar, s: LoopState, cfg: _Settings) -> LoopState:
   b = s.last.shape[0]
   active_B = ~s.done
   key, k_verify, k_draft = _split(s.key, cfg)
-  inp_BxK1 = jnp.concatenate([s.last[:, None], s.drafts], axis=1)
+  inp_BxK1 = jnp.concatenate([s.last[:, None], s.drafts], axis=1)  # with a tree: [last, its N nodes]
   old_len = s.target.length
-  logits, hid, tstate = target_step(target, s.target, inp_BxK1, jnp.where(active_B, k + 1, 0))
+  logits, hid, tstate = target_step(target, s.target, inp_BxK1, jnp.where(active_B, inp_BxK1.shape[1], 0),
+                                    cfg.tree)
   active_B = active_B & ~_out_of_pages(tstate, None)  # its logits are meaningless: emit nothing
   if grammar is not None:
     # Position i gives the token after [emitted, d_1..d_i].
     gstates_BxK1 = grammar_lib.states_along(grammar, s.grammar_state, s.drafts)
     mask_BxK1xV = grammar_lib.token_mask(grammar, gstates_BxK1, logits.shape[-1])
     logits = grammar_lib.apply_mask(logits, mask_BxK1xV)
+  drafts_BxK = s.drafts
   if proposer is None:
     a_B = jnp.zeros((b,), jnp.int32)
     next_B, _ = sample(logits[:, 0], k_verify, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+  elif cfg.tree is not None:
+    a_B, next_B, path_BxK1 = verify_tree_greedy(logits, s.drafts, cfg.tree)
+    drafts_BxK = jnp.take_along_axis(inp_BxK1, path_BxK1[:, 1:], axis=1)  # the path's tokens act as drafts
+    hid = jnp.take_along_axis(hid, path_BxK1[..., None], axis=1)
+    # The target keeps the root and the accepted path: its nodes' rows move into place.
+    tstate = compact_target(tstate, old_len, path_BxK1, jnp.where(active_B, a_B, 0))
   elif cfg.relaxed is not None:
     a_B, next_B = verify_relaxed(logits, s.drafts, top_n=cfg.relaxed[0], delta=cfg.relaxed[1])
     if grammar is not None:
@@ -202,7 +218,7 @@ def _step(target, proposer, grammar, s: LoopState, cfg: _Settings) -> LoopState:
     a_B, next_B = verify_sampling(logits, s.drafts, s.proposer.draft_probs[:, :k], k_verify,
                                   temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
   a_B = jnp.where(active_B, a_B, 0)
-  new_BxK1 = jnp.concatenate([s.drafts, jnp.zeros((b, 1), jnp.int32)], axis=1)
+  new_BxK1 = jnp.concatenate([drafts_BxK, jnp.zeros((b, 1), jnp.int32)], axis=1)
   new_BxK1 = new_BxK1.at[jnp.arange(b), a_B].set(next_B)
   s2, n_B = _emit(s, new_BxK1, a_B + 1, cfg, active_B)
   # The target keeps its rows for [last, d_1..d_a]; the rest were rejected.
@@ -229,8 +245,8 @@ def _out_width(cfg: _Settings) -> int:
 
 
 def _fits(s: LoopState, cfg: _Settings) -> jax.Array:
-  """bool[]: every unfinished sequence has room for one more step (k + 1 rows) in the caches."""
-  return jnp.all(s.done | (s.target.length + cfg.num_drafts + 1 <= cfg.max_len))
+  """bool[]: every unfinished sequence has room for one more step (its rows) in the caches."""
+  return jnp.all(s.done | (s.target.length + _rows_per_step(cfg) <= cfg.max_len))
 
 
 def _run(target, proposer, grammar, s: LoopState, cfg: _Settings) -> LoopState:
@@ -301,7 +317,7 @@ def _check_prompts(prompts, v: int) -> list[np.ndarray]:
 
 
 def _validate(target, proposer, prompts, max_new_tokens, num_drafts, temperature, top_k, top_p, seed,
-              eos_token_id, max_len, relaxed, stream, grammar, constrained, draft_masks) -> dict:
+              eos_token_id, max_len, relaxed, stream, grammar, constrained, draft_masks, tree=None) -> dict:
   """Every argument of `generate` checked and normalised; errors name the argument and its limits."""
   validate.instance("target", target, TargetModel, "a TargetModel")
   v = target.cfg.vocab_size
@@ -319,9 +335,17 @@ def _validate(target, proposer, prompts, max_new_tokens, num_drafts, temperature
       raise validate.InvalidValue("proposer", f"hidden size mismatch: target hidden_size={target.cfg.hidden_size}, "
                                               f"proposer hidden_size={proposer.cfg.hidden_size}")
     k_max = proposer.cfg.num_depths
+    if tree is not None and num_drafts is None:
+      num_drafts = check_tree(tree).depth
     k = k_max if num_drafts is None else validate.integer("num_drafts", num_drafts, 1, k_max)
   prompts = _check_prompts(prompts, v)
   temperature, top_k, top_p = validate.sampling(temperature, top_k, top_p)
+  if tree is not None:
+    if proposer is None:
+      raise validate.InvalidValue("tree", "tree drafts need a proposer")
+    prop._check_tree_args(tree, k, temperature, grammar)
+    if relaxed is not None:
+      raise validate.InvalidValue("tree", "tree verification is exact greedy: pass relaxed=None with a tree")
   longest = max(len(p) for p in prompts)
   max_new_tokens = validate.integer("max_new_tokens", max_new_tokens, 1, validate.INT32_MAX - longest - k - 1)
   seed = validate.integer("seed", seed, 0, 2**32 - 1)  # jax.random.key keeps the low 32 bits
@@ -388,7 +412,8 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
              stream: Callable[[list[list[int]]], None] | None = None,
              grammar: grammar_lib.Grammar | None = None, constrained: Sequence[bool] | None = None,
              draft_masks: str = "per_position", mesh: jax.sharding.Mesh | None = None,
-             page_size: int | None = None, num_pages: int | None = None) -> GenerateOutput:
+             page_size: int | None = None, num_pages: int | None = None,
+             tree: TreeSpec | None = None) -> GenerateOutput:
   """Speculative decoding with the MTP chain (or plain autoregressive decoding if proposer is None).
 
   Args:
@@ -422,6 +447,10 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
       default max_len is rounded up to a multiple of it); num_pages pages per layer, default
       B * max_len / page_size (as much as the contiguous caches), at least max_len / page_size.
       A sequence refused a page stops early (listed in stats["out_of_pages"]); the others go on.
+    tree: a `mtp_jax.tree.TreeSpec` (greedy only; contiguous, unsharded caches): the chain drafts
+      a tree of depth k = num_drafts (default the tree's depth), the target verifies all its
+      nodes in one call with the tree mask, and the longest path that matches the target's
+      argmax is accepted; the output equals plain greedy decoding.
   Returns:
     GenerateOutput. stats: target_calls (forward passes per sequence, prefill included, summed),
     verify_calls, accepted_tokens (emitted drafts), target_tokens (emitted target tokens;
@@ -431,28 +460,33 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
     the prompts stopped for lack of a page; always empty when contiguous).
   """
   a = _validate(target, proposer, prompts, max_new_tokens, num_drafts, temperature, top_k, top_p, seed,
-                eos_token_id, max_len, relaxed, stream, grammar, constrained, draft_masks)
+                eos_token_id, max_len, relaxed, stream, grammar, constrained, draft_masks, tree)
   prompts, k, max_new_tokens, max_len, constrained = (a["prompts"], a["k"], a["max_new_tokens"], a["max_len"],
                                                       a["constrained"])
   lens = np.array([len(p) for p in prompts], np.int32)
   t = -(-int(lens.max()) // PROMPT_BUCKET) * PROMPT_BUCKET
   # Padding rows of the prompt are never written to the caches, so only real rows count.
-  needed = int(lens.max()) + max_new_tokens + k + 1
+  step_rows = (k if tree is None else tree.num_nodes) + 1
+  needed = int(lens.max()) + max_new_tokens + step_rows
   if max_len is not None and max_len < needed:
     raise validate.InvalidValue(
         "max_len", f"prompt too long for the cache: the longest prompt ({lens.max()} tokens) + max_new_tokens "
-                   f"({max_new_tokens}) + k + 1 needs max_len >= {needed}, got {max_len}")
+                   f"({max_new_tokens}) + {'k + 1' if tree is None else 'the tree nodes + 1'} needs "
+                   f"max_len >= {needed}, got {max_len}")
   prompts_BxT = np.zeros((len(prompts), t), np.int32)
   for i, p in enumerate(prompts):
     prompts_BxT[i, :len(p)] = p
-  full_len = max_len or t + max_new_tokens + k + 1  # rows that always suffice
+  full_len = max_len or t + max_new_tokens + step_rows  # rows that always suffice
+  if tree is not None and (page_size is not None or mesh is not None):
+    raise validate.InvalidValue("tree", "tree drafts move the accepted path's rows in contiguous, unsharded "
+                                        "caches: pass page_size=None and mesh=None with a tree")
   if page_size is None and num_pages is None:
-    capacity = max_len or min(full_len, max(MIN_CAPACITY, 1 << (t + k).bit_length()))
+    capacity = max_len or min(full_len, max(MIN_CAPACITY, 1 << (t + step_rows).bit_length()))
   else:  # paged caches are sized by their pool and never grown: the capacity is the whole max_len
     full_len, num_pages = _paging(max_len, full_len, page_size, num_pages, len(prompts), mesh)
     capacity = full_len
   cfg = _Settings(k, max_new_tokens, a["temperature"], a["top_k"], a["top_p"], a["eos_token_id"], a["relaxed"],
-                  capacity, draft_masks, mesh, page_size, num_pages)
+                  capacity, draft_masks, mesh, page_size, num_pages, tree)
   gstate_B = None
   if grammar is not None:
     gstate_B = grammar_lib.init_grammar_state(

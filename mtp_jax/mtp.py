@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax import validate
-from mtp_jax.blocks import Block, Embed, KVCache, Linear, RMSNorm, module_state_dict
+from mtp_jax.blocks import Block, Embed, KVCache, Linear, RMSNorm, TreeRows, module_state_dict
 from mtp_jax.config import MtpConfig
 
 
@@ -36,10 +36,11 @@ class MtpModule(nnx.Module):
     self.shared_head_norm = (RMSNorm(d, eps=eps, dtype=dt, unit_offset=cfg.norm_unit_offset)
                              if cfg.head_norm else None)
 
-  def __call__(self, emb_BxTxD, h_BxTxD, rows_BxT, valid_BxT, cache: KVCache | None, rope_offset: int):
-    """Returns (h^m dtype[B, T, D] before the head norm, new cache)."""
+  def __call__(self, emb_BxTxD, h_BxTxD, rows_BxT, valid_BxT, cache: KVCache | None, rope_offset: int,
+               tree: TreeRows | None = None):
+    """Returns (h^m dtype[B, T, D] before the head norm, new cache); tree: rows are draft-tree nodes."""
     x = self.eh_proj(jnp.concatenate([self.enorm(emb_BxTxD), self.hnorm(h_BxTxD)], axis=-1))
-    return self.block(x, rows_BxT, valid_BxT, cache, rope_offset)
+    return self.block(x, rows_BxT, valid_BxT, cache, rope_offset, tree)
 
 
 class MtpModel(nnx.Module):

@@ -37,11 +37,12 @@ from jax.experimental import checkify
 
 from mtp_jax import grammar as grammar_lib
 from mtp_jax import validate
-from mtp_jax.blocks import KVCache, MlaCache, init_cache
+from mtp_jax.blocks import KVCache, MlaCache, TreeRows, init_cache
 from mtp_jax.blocks.paged import Pages, PagedKVCache, allocator, bind, paged_cache, unbind
 from mtp_jax.config import MtpConfig
 from mtp_jax.mtp import MtpModel
 from mtp_jax.sampling import sample
+from mtp_jax.tree import DraftTree, TreeSpec, check_tree
 
 
 @jax.tree_util.register_dataclass
@@ -169,7 +170,8 @@ def _raise_eager(errors, **values):
 
 def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, num_drafts: int, *,
             key=None, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-            grammar=None, grammar_state=None, checked: bool = False, catch_up: bool = True):
+            grammar=None, grammar_state=None, checked: bool = False, catch_up: bool = True,
+            tree: TreeSpec | None = None):
   """Catches the chain up on the newly verified positions and drafts `num_drafts` tokens.
 
   Args:
@@ -193,8 +195,14 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
       the next call may use any k. False runs only the k drafting modules, for callers that keep
       k fixed (`generate`): the state's num_live becomes k, and later calls must keep
       num_drafts <= k with catch_up=False.
+    tree: static `mtp_jax.tree.TreeSpec` with depth num_drafts: draft a tree instead of a chain
+      (greedy: temperature 0, no grammar). Each node of depth d - 1 gets the top-w_d tokens of
+      depth d's logits after the node's path; depth d runs over the nodes of depths 1..d as
+      extra rows that see the verified rows and their own ancestors and are never cached, so
+      the state holds verified rows only and `after_verify` works as after a chain.
   Returns:
-    drafts int32[B, k], new ProposerState. Drafts of a sequence with no positions are unspecified.
+    drafts int32[B, k] (a `DraftTree` with tokens int32[B, N] when tree is given), new
+    ProposerState. Drafts of a sequence with no positions are unspecified.
 
   Pure: inputs are not modified. Under a caller's `jax.jit` with `donate_argnames="state"` the
   caches are updated in place (see docs/proposer.md).
@@ -210,16 +218,30 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
     grammar_state = _check_grammar(grammar, grammar_state, state.batch_size, params.cfg.vocab_size)
   checked = validate.flag("checked", checked)
   catch_up = validate.flag("catch_up", catch_up)
+  if tree is not None:
+    _check_tree_args(tree, num_drafts, temperature, grammar)
   hiddens, tokens, num_new = jnp.asarray(hiddens), jnp.asarray(tokens), jnp.asarray(num_new)
   if validate.is_concrete(state.num_pos, hiddens, tokens, num_new, grammar_state):
     _raise_eager(_propose_value_errors(state, hiddens, tokens, num_new, params.cfg.vocab_size, grammar,
                                        grammar_state),
                  num_pos=state.num_pos, num_new=num_new)
     return _propose_jit(params, state, hiddens, tokens.astype(jnp.int32), num_new.astype(jnp.int32),
-                        num_drafts, key, temperature, top_k, top_p, grammar, grammar_state, checked, True, catch_up)
+                        num_drafts, key, temperature, top_k, top_p, grammar, grammar_state, checked, True, catch_up,
+                        tree)
   return _propose(params, state, hiddens, tokens.astype(jnp.int32), num_new.astype(jnp.int32),
                   num_drafts, key, temperature, top_k, top_p, grammar, grammar_state, checked,
-                  catch_up=catch_up)
+                  catch_up=catch_up, tree=tree)
+
+
+def _check_tree_args(tree, num_drafts, temperature, grammar):
+  check_tree(tree)
+  if tree.depth != num_drafts:
+    raise validate.InvalidValue("tree", f"tree has depth {tree.depth} (widths={tree.widths}) but "
+                                        f"num_drafts={num_drafts}; they must be equal")
+  if temperature != 0:
+    raise validate.InvalidValue("tree", f"tree drafts are greedy: temperature must be 0, got {temperature}")
+  if grammar is not None:
+    raise validate.InvalidValue("tree", "tree drafts take no grammar yet: pass tree=None with a grammar")
 
 
 def _check_grammar(grammar, grammar_state, batch_size, vocab_size):
@@ -237,7 +259,8 @@ def _gather_rows(x_BxTx, idx_BxW):
 
 
 def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, key, temperature,
-             top_k, top_p, grammar, grammar_state_B, checked, grammar_per_position=True, catch_up=True):
+             top_k, top_p, grammar, grammar_state_B, checked, grammar_per_position=True, catch_up=True,
+             tree=None):
   # grammar_per_position=False masks every draft with grammar_state_B, as the seed proposer
   # did; the serving loop's ablation (generate's draft_masks="first") uses it.
   # catch_up=False runs modules 0..k-1 only; the deeper modules' rows, lengths and rings are
@@ -265,8 +288,11 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
   prev_h_BxWxD, prev_start_B = hiddens_BxTxD.astype(cfg.jnp_dtype), num_pos_B
   g_state_B = grammar_state_B
   num_run = cfg.num_depths if catch_up else num_drafts
+  if tree is not None:
+    nodes_tok_BxN1 = jnp.zeros((b, tree.num_nodes + 1), jnp.int32)
   for i in range(num_run):
-    drafting = i < num_drafts
+    # A tree runs every depth over verified rows only; its nodes are extra rows (_tree_depth).
+    drafting = i < num_drafts and tree is None
     w = t + i
     start_B = lengths_KxB[i]
     rows_BxW = start_B[:, None] + jnp.arange(w, dtype=jnp.int32)[None]
@@ -276,7 +302,7 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
     # Row j reads t_{j+i+1}: a verified token of this call, or a draft of an earlier module.
     u_BxW = rows_BxW + i - num_pos_B[:, None]
     tok_BxW = _gather_rows(tokens_BxT, jnp.clip(u_BxW, 0, t - 1))
-    if i > 0:
+    if i > 0 and drafts:
       d_BxW = _gather_rows(jnp.stack(drafts, axis=1), jnp.clip(u_BxW - num_new_B[:, None], 0, i - 1))
       tok_BxW = jnp.where(u_BxW < num_new_B[:, None], tok_BxW, d_BxW)
 
@@ -309,6 +335,9 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
       probs.append(q_BxV)
       if grammar is not None and grammar_per_position:
         g_state_B = grammar_lib.advance(grammar, g_state_B, d_B)
+    if tree is not None and i < num_drafts:
+      nodes_h, nodes_tok_BxN1 = _tree_depth(params, i, tree, kv[i], out_BxWxD, next_h_BxWxD, start_B, new_num_pos_B,
+                                            nodes_h if i > 0 else None, nodes_tok_BxN1)
     prev_h_BxWxD, prev_start_B = next_h_BxWxD, start_B
 
   draft_probs = state.draft_probs
@@ -318,10 +347,43 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
                         lengths=jnp.concatenate([jnp.stack(new_lengths), lengths_KxB[num_run:]]),
                         num_pos=new_num_pos_B, num_drafted=jnp.full((b,), num_drafts, jnp.int32),
                         draft_probs=draft_probs, num_live=num_run, pages=pages)
+  if tree is not None:
+    return DraftTree.of(tree, nodes_tok_BxN1[:, 1:]), new_state
   return jnp.stack(drafts, axis=1), new_state
 
 
-_propose_jit = jax.jit(_propose, static_argnums=(5, 7, 8, 9, 12, 13, 14))
+def _tree_depth(params, i, tree, cache, out_BxWxD, next_h_BxWxD, start_B, new_num_pos_B, prev_nodes_h, nodes_tok_BxN1):
+  """Depth i of a tree propose, after it ran its verified rows (out / next_h of its window).
+
+  Depth i's node of tree depth d sits at row P - i + d (P = new_num_pos - 1, the newest
+  position; the root is depth i's last verified row P - i) and reads the token of that node
+  and the hidden depth i - 1 handed on at the node's parent. Those rows see the cache below
+  the root's row plus their ancestors, and are not written: they used drafts.
+  prev_nodes_h: dtype[B, M, D], depth i - 1's handed-on hiddens at tree nodes 0..M-1.
+  Returns (depth i's handed-on hiddens at nodes 0..M'-1, nodes_tok_BxN1 with depth i + 1 filled:
+  each depth-i node's top-w_{i+1} tokens).
+  """
+  b, w, _ = out_BxWxD.shape
+  root_row_B = new_num_pos_B - 1 - i
+  at_root = lambda x: _gather_rows(x, jnp.clip(root_row_B - start_B, 0, w - 1)[:, None])
+  node_out, node_h = at_root(out_BxWxD), at_root(next_h_BxWxD)
+  if i > 0:
+    nodes = np.arange(1, tree.starts[i + 1])  # tree depths 1..i
+    rows_BxM = root_row_B[:, None] + jnp.asarray(tree.depths[nodes])[None]
+    emb = params.embed(i, nodes_tok_BxN1[:, nodes], rows_BxM)
+    h_in = prev_nodes_h[:, tree.parents[nodes]]
+    rows = TreeRows(base_B=root_row_B + 1, visible_TxT=tree.visible[1:, 1:][nodes - 1][:, nodes - 1])
+    # Rows before position 0 do not exist (a sequence shorter than the chain is deep).
+    out_BxMxD, _ = params.module(i)(emb, h_in, rows_BxM, rows_BxM >= 0, cache, rope_offset=i + 1, tree=rows)
+    node_out = jnp.concatenate([node_out, out_BxMxD], axis=1)
+    node_h = jnp.concatenate([node_h, params.next_hidden(i, out_BxMxD)], axis=1)
+  lo, hi = tree.starts[i], tree.starts[i + 1]
+  _, top_BxNxW = jax.lax.top_k(params.logits(i, node_out[:, lo:hi]), tree.widths[i])
+  nodes_tok_BxN1 = nodes_tok_BxN1.at[:, hi:tree.starts[i + 2]].set(top_BxNxW.reshape(b, -1).astype(jnp.int32))
+  return node_h, nodes_tok_BxN1
+
+
+_propose_jit = jax.jit(_propose, static_argnums=(5, 7, 8, 9, 12, 13, 14, 15))
 
 
 def after_verify(state: ProposerState, num_accepted, *, checked: bool = False) -> ProposerState:

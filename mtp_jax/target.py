@@ -9,10 +9,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax.blocks import Block, Embed, KVCache, Linear, MlaCache, RMSNorm, init_cache
+from mtp_jax.blocks import Block, Embed, KVCache, Linear, MlaCache, RMSNorm, TreeRows, init_cache
+from mtp_jax.blocks.cache import move_rows
 from mtp_jax.blocks.paged import Pages, PagedKVCache, allocator, bind, paged_cache, unbind
 from mtp_jax.config import TargetConfig
 from mtp_jax.mtp import assign_state_dict, param_names
+from mtp_jax.tree import TreeSpec
 
 
 class TargetModel(nnx.Module):
@@ -26,15 +28,17 @@ class TargetModel(nnx.Module):
                         unit_offset=cfg.norm_unit_offset)
     self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.jnp_dtype, rngs=rngs)
 
-  def __call__(self, tokens_BxT, rows_BxT, valid_BxT, kv: tuple[KVCache, ...] | None):
-    """Runs tokens at cache rows rows_BxT (cache-free over this call's rows when kv is None).
+  def __call__(self, tokens_BxT, rows_BxT, valid_BxT, kv: tuple[KVCache, ...] | None,
+               tree: TreeRows | None = None):
+    """Runs tokens at cache rows rows_BxT (cache-free over this call's rows when kv is None);
+    with tree, the rows are draft-tree nodes at RoPE positions rows_BxT (see TreeRows).
 
     Returns (logits float32[B, T, V], hiddens dtype[B, T, D] for the MTP chain, new kv or None).
     """
     h = self.embed_tokens(tokens_BxT)
     new_kv = []
     for i, layer in enumerate(self.layers):
-      h, cache = layer(h, rows_BxT, valid_BxT, None if kv is None else kv[i])
+      h, cache = layer(h, rows_BxT, valid_BxT, None if kv is None else kv[i], 0, tree)
       new_kv.append(cache)
     normed = self.norm(h)
     logits = self.lm_head(normed).astype(jnp.float32)
@@ -69,10 +73,14 @@ def init_target_state(cfg: TargetConfig, batch_size: int, max_len: int, *, dtype
                      length=jnp.zeros((batch_size,), jnp.int32), pages=pages)
 
 
-def target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B):
+def target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B, tree: TreeSpec | None = None):
   """Appends num_new_B[b] tokens (left-aligned in tokens_BxT: int32[B, T]) to each sequence.
 
   Prefill is the call with the whole prompt; verification the call with [last token, d_1..d_k].
+  With tree (static), tokens_BxT: int32[B, N + 1] are the tree's nodes, root (the last token)
+  first, and num_new_B is N + 1 or 0: node n runs at position length + depth(n), sees the
+  sequence and its own ancestors, and is written at row length + n (`compact_target` then moves
+  an accepted path into place).
   Rows past max_len are dropped, never wrapped (callers validate lengths first). Paged, the
   sequence first gets pages for its new rows; one refused them is flagged in `pages.oom` and
   its rows beyond its pages are dropped (its logits are then meaningless; others are unaffected).
@@ -81,11 +89,15 @@ def target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B):
   t = tokens_BxT.shape[1]
   rows_BxT = state.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
   valid_BxT = jnp.arange(t)[None] < num_new_B[:, None]
+  tree_rows = None
+  if tree is not None:
+    tree_rows = TreeRows(base_B=state.length, visible_TxT=tree.visible, write_BxT=rows_BxT)
+    rows_BxT = state.length[:, None] + jnp.asarray(tree.depths)[None]
   kv, pages = state.kv, state.pages
   if pages is not None:
     pages = pages.ensure(state.length + num_new_B)
     kv = bind(kv, pages)
-  logits, hiddens, kv = model(tokens_BxT, rows_BxT, valid_BxT, kv)
+  logits, hiddens, kv = model(tokens_BxT, rows_BxT, valid_BxT, kv, tree_rows)
   if pages is not None:
     kv = unbind(kv)
   return logits, hiddens, state.set(kv=kv, length=state.length + num_new_B, pages=pages)
@@ -94,6 +106,19 @@ def target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B):
 def trim_target(state: TargetState, length_B) -> TargetState:
   """Keeps rows 0..length_B[b]-1 (int32[B], <= length): rejected rows; paged, whole pages past them go back."""
   return state.set(length=length_B, pages=None if state.pages is None else state.pages.release(length_B))
+
+
+def compact_target(state: TargetState, start_B, path_BxK1, num_accepted_B) -> TargetState:
+  """After a tree verification that started at row start_B[b] (int32[B]): moves the accepted path
+  into place. Node path_BxK1[b, d] (int32[B, k + 1], tree indices by depth) moves from row
+  start + path[d] to row start + d for d = 1..num_accepted_B[b]; `trim_target(state, start + a + 1)`
+  then leaves the caches exactly as a chain verification of [last, d_1..d_a] would.
+  Contiguous caches only."""
+  k1 = path_BxK1.shape[1]
+  d_1xK = jnp.arange(1, k1, dtype=jnp.int32)[None]
+  src_BxK, dst_BxK = start_B[:, None] + path_BxK1[:, 1:], start_B[:, None] + d_1xK
+  valid_BxK = d_1xK <= num_accepted_B[:, None]
+  return state.set(kv=tuple(move_rows(c, src_BxK, dst_BxK, valid_BxK) for c in state.kv))
 
 
 def reset_target_slots(state: TargetState, mask_B) -> TargetState:

@@ -1,16 +1,19 @@
 """Verification of k drafts against the target's k + 1 distributions; pure, batched, jittable.
 
 Each rule returns (num_accepted int32[B] in 0..k, next_token int32[B]): the sequence grows by
-drafts[:, :a] followed by next_token (the target's correction or its bonus token).
+drafts[:, :a] followed by next_token (the target's correction or its bonus token). The tree rule
+also returns the accepted path, whose nodes' tokens play the drafts' part.
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from mtp_jax import validate
 from mtp_jax.sampling import filtered_probs
+from mtp_jax.tree import TreeSpec, check_tree
 
 
 def _first_rejection(accept_BxK: jax.Array) -> jax.Array:
@@ -85,3 +88,35 @@ def verify_relaxed(logits_BxK1xV, drafts_BxK, *, top_n: int, delta: float):
   a_B = _first_rejection(in_top & (p_d >= top_vals[..., 0] - delta))
   greedy_BxK1 = jnp.argmax(logits_BxK1xV, axis=-1).astype(jnp.int32)
   return a_B, jnp.take_along_axis(greedy_BxK1, a_B[:, None], axis=1)[:, 0]
+
+
+def verify_tree_greedy(logits_BxN1xV: jax.Array, tree_tokens_BxN: jax.Array, tree: TreeSpec):
+  """Greedy verification of a draft tree: the longest root path whose every token equals the
+  target's argmax after its parent.
+
+  Args:
+    logits_BxN1xV: float32[B, N + 1, V] target logits at the tree's nodes, root first (tree order).
+    tree_tokens_BxN: int32[B, N], the draft nodes' tokens (DraftTree.tokens).
+    tree: the static TreeSpec.
+  Returns:
+    (num_accepted int32[B] in 0..k, next_token int32[B], path int32[B, k + 1]: the accepted
+    node's ancestors by depth in tree order, path[:, 0] = 0 the root; entries past
+    num_accepted repeat the accepted node). Siblings are distinct tokens (top-w), so at most
+    one child of a node can match: the accepted path is unique, as a chain's prefix is.
+  """
+  tree = check_tree(tree)
+  logits_BxN1xV = validate.array("logits", logits_BxN1xV, (None, tree.num_nodes + 1, None), kind="float",
+                                 dims=f"[B, N + 1 = {tree.num_nodes + 1}, V]")
+  b = logits_BxN1xV.shape[0]
+  validate.array("tree_tokens", tree_tokens_BxN, (b, tree.num_nodes), kind="int", dims=f"[B={b}, N={tree.num_nodes}]")
+  greedy_BxN1 = jnp.argmax(logits_BxN1xV, axis=-1).astype(jnp.int32)
+  match_BxN = tree_tokens_BxN == greedy_BxN1[:, tree.parents[1:]]
+  accepted = [jnp.ones((b, 1), bool)]
+  for d in range(1, tree.depth + 1):  # a node is accepted when it matches and its parent was accepted
+    nodes = np.arange(tree.starts[d], tree.starts[d + 1])
+    parent_ok = jnp.concatenate(accepted, axis=1)[:, tree.parents[nodes]]
+    accepted.append(parent_ok & match_BxN[:, nodes - 1])
+  depth_BxN1 = jnp.where(jnp.concatenate(accepted, axis=1), jnp.asarray(tree.depths)[None], -1)
+  best_B = jnp.argmax(depth_BxN1, axis=1)
+  return (jnp.asarray(tree.depths)[best_B], jnp.take_along_axis(greedy_BxN1, best_B[:, None], axis=1)[:, 0],
+          jnp.asarray(tree.paths)[best_B])

@@ -8,7 +8,7 @@ Data flow: linear, norms, rope -> cache (per-layer caches, their interface) -> a
 mlp, moe -> block (the pre-norm `Block` and `init_cache`, which picks the cache for a config).
 """
 
-from mtp_jax.blocks.attention import Attention
+from mtp_jax.blocks.attention import Attention, TreeRows
 from mtp_jax.blocks.block import Block, init_cache
 from mtp_jax.blocks.cache import KVCache, MlaCache
 from mtp_jax.blocks.linear import Embed, Linear, module_state_dict, normal
@@ -18,5 +18,5 @@ from mtp_jax.blocks.moe import Moe
 from mtp_jax.blocks.norms import RMSNorm
 from mtp_jax.blocks.rope import rope
 
-__all__ = ["Attention", "Block", "init_cache", "KVCache", "MlaCache", "MlaAttention", "Embed", "Linear",
+__all__ = ["Attention", "TreeRows", "Block", "init_cache", "KVCache", "MlaCache", "MlaAttention", "Embed", "Linear",
            "module_state_dict", "normal", "Mlp", "Moe", "RMSNorm", "rope"]

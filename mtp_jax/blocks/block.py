@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from flax import nnx
 
-from mtp_jax.blocks.attention import Attention
+from mtp_jax.blocks.attention import Attention, TreeRows
 from mtp_jax.blocks.cache import KVCache, MlaCache
 from mtp_jax.blocks.mla import MlaAttention
 from mtp_jax.blocks.mlp import Mlp
@@ -37,8 +37,9 @@ class Block(nnx.Module):
     dense = cfg.moe is None or (layer_idx is not None and layer_idx < cfg.moe.first_k_dense_replace)
     self.mlp = Mlp(cfg, rngs=rngs) if dense else Moe(cfg, rngs=rngs)
 
-  def __call__(self, x_BxTxD, rows_BxT, valid_BxT, cache: KVCache | None, rope_offset: int = 0):
+  def __call__(self, x_BxTxD, rows_BxT, valid_BxT, cache: KVCache | None, rope_offset: int = 0,
+               tree: TreeRows | None = None):
     """Same arguments as Attention; returns (dtype[B, T, D], new cache or None)."""
-    attn, cache = self.self_attn(self.input_layernorm(x_BxTxD), rows_BxT, valid_BxT, cache, rope_offset)
+    attn, cache = self.self_attn(self.input_layernorm(x_BxTxD), rows_BxT, valid_BxT, cache, rope_offset, tree)
     h = x_BxTxD + attn
     return h + self.mlp(self.post_attention_layernorm(h)), cache

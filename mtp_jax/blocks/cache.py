@@ -36,6 +36,17 @@ def write_rows(buf_BxLx: jax.Array, rows_BxT: jax.Array, valid_BxT: jax.Array, n
   return buf_BxLx.at[b_idx, write_BxT].set(new_BxTx.astype(buf_BxLx.dtype), mode="drop")
 
 
+def move_rows(cache, src_BxA: jax.Array, dst_BxA: jax.Array, valid_BxA: jax.Array):
+  """A contiguous cache (KVCache, MlaCache) with row src_BxA[b, a] copied to row dst_BxA[b, a] where
+  valid; every source is read before anything is written, so sources and destinations may overlap."""
+  if not isinstance(cache, (KVCache, MlaCache)):
+    raise ValueError(f"move_rows needs a contiguous cache (KVCache, MlaCache), got {type(cache).__name__}")
+  def move(buf_BxLx):
+    src = jnp.take_along_axis(buf_BxLx, src_BxA.reshape(src_BxA.shape + (1,) * (buf_BxLx.ndim - 2)), axis=1)
+    return write_rows(buf_BxLx, dst_BxA, valid_BxA, src)
+  return jax.tree.map(move, cache)
+
+
 def all_rows(batch_size: int, max_len: int) -> jax.Array:
   """key_rows_BxS of a position-addressed cache: int32[B, L], key s holds row s."""
   return jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (batch_size, max_len))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.blocks import cache as cache_lib
-from mtp_jax.blocks.attention import attention_probs, readable_rows
+from mtp_jax.blocks.attention import TreeRows, attended_keys, attention_probs
 from mtp_jax.blocks.linear import Linear
 from mtp_jax.blocks.norms import RMSNorm
 from mtp_jax.blocks.rope import apply_rope, inv_frequencies, yarn_mscale
@@ -62,7 +62,7 @@ class MlaAttention(nnx.Module):
     return 2 * r <= dnv or t * (2 * r - dnv) < r * dnv
 
   def __call__(self, x_BxTxD, rows_BxT, valid_BxT, cache: cache_lib.MlaCache | None, rope_offset: int = 0,
-               *, absorb: bool | None = None):
+               tree: TreeRows | None = None, *, absorb: bool | None = None):
     """As `Attention.__call__`; absorb picks the form (default by `absorbs(T)`)."""
     b, t, _ = x_BxTxD.shape
     m, h = self.mla, self.num_heads
@@ -81,28 +81,29 @@ class MlaAttention(nnx.Module):
     if m.kv_lora_scale != 1.0:
       latent_BxTxR = latent_BxTxR * jnp.asarray(m.kv_lora_scale, latent_BxTxR.dtype)
     k_rope_BxTxDr = rope(kv[..., None, m.kv_lora_rank:])[:, :, 0]
-    new_cache, (latent_BxSxR, k_rope_BxSxDr), key_rows_BxS = cache_lib.update(
-        cache, rows_BxT, valid_BxT, latent_BxTxR, k_rope_BxTxDr)
+    # The latent is MLA's value too: rows no query may read come back zeroed (see readable_rows).
+    new_cache, (latent_BxSxR, k_rope_BxSxDr), mask_BxTxS = attended_keys(
+        cache, rows_BxT, valid_BxT, (latent_BxTxR, k_rope_BxTxDr), value=0, window=self.window,
+        tree=tree)
     w_HxDnvxR = self.kv_b_proj.weight[...].reshape(h, -1, m.kv_lora_rank)
     w_uk_HxDnxR, w_uv_HxDvxR = w_HxDnvxR[:, :m.qk_nope_head_dim], w_HxDnvxR[:, m.qk_nope_head_dim:]
     f32 = dict(preferred_element_type=jnp.float32)
-    # The latent is MLA's value too: stale rows are selected away (see readable_rows).
-    latent_BxSxR = readable_rows(latent_BxSxR, rows_BxT, valid_BxT, key_rows_BxS).astype(q.dtype)
+    latent_BxSxR = latent_BxSxR.astype(q.dtype)
     rope_scores = jnp.einsum("bthp,bsp->bhts", q_rope_BxTxHxDr, k_rope_BxSxDr.astype(q.dtype), **f32)
     if self.absorbs(t) if absorb is None else absorb:
       q_lat_BxTxHxR = jnp.einsum("bthn,hnr->bthr", q_nope_BxTxHxDn, w_uk_HxDnxR)
       scores = jnp.einsum("bthr,bsr->bhts", q_lat_BxTxHxR, latent_BxSxR, **f32) + rope_scores
-      probs = self._probs(scores, rows_BxT, key_rows_BxS).astype(q.dtype)
+      probs = self._probs(scores, mask_BxTxS).astype(q.dtype)
       out_lat_BxTxHxR = jnp.einsum("bhts,bsr->bthr", probs, latent_BxSxR)
       out_BxTxHxDv = jnp.einsum("bthr,hvr->bthv", out_lat_BxTxHxR, w_uv_HxDvxR)
     else:
       k_nope_BxSxHxDn = jnp.einsum("bsr,hnr->bshn", latent_BxSxR, w_uk_HxDnxR)
       v_BxSxHxDv = jnp.einsum("bsr,hvr->bshv", latent_BxSxR, w_uv_HxDvxR)
       scores = jnp.einsum("bthn,bshn->bhts", q_nope_BxTxHxDn, k_nope_BxSxHxDn, **f32) + rope_scores
-      probs = self._probs(scores, rows_BxT, key_rows_BxS).astype(q.dtype)
+      probs = self._probs(scores, mask_BxTxS).astype(q.dtype)
       out_BxTxHxDv = jnp.einsum("bhts,bshv->bthv", probs, v_BxSxHxDv)
     return self.o_proj(out_BxTxHxDv.reshape(b, t, h * m.v_head_dim).astype(x_BxTxD.dtype)), new_cache
 
-  def _probs(self, scores_BxHxTxS, rows_BxT, key_rows_BxS):
-    probs = attention_probs(scores_BxHxTxS[:, None] * self.scale, rows_BxT, key_rows_BxS, window=self.window)
+  def _probs(self, scores_BxHxTxS, mask_BxTxS):
+    probs = attention_probs(scores_BxHxTxS[:, None] * self.scale, mask_BxTxS)
     return probs[:, 0]
