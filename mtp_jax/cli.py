@@ -9,15 +9,25 @@ import sys
 
 from mtp_jax import demo, pretrained, train, validate
 from mtp_jax.generate import generate
+from mtp_jax.tree import TreeSpec
 
 
 def _model_name(args) -> str:
   return "small" if args.small else demo.default_demo()
 
 
+def _tree(text: str) -> TreeSpec:
+  """`--tree 3,2,1` as a TreeSpec; argparse reports the error in one line."""
+  try:
+    return TreeSpec(tuple(int(w) for w in text.split(",")))
+  except (ValueError, TypeError) as e:
+    raise argparse.ArgumentTypeError(f"widths like 3,2,1 (children per node at each depth): {e}") from e
+
+
 def _demo(args) -> int:
   return demo.main(num_prompts=args.num_prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
-                   seed=args.seed, repeats=args.repeats, ks=args.ks, name=_model_name(args), path=args.checkpoint)
+                   seed=args.seed, repeats=args.repeats, ks=args.ks, name=_model_name(args), path=args.checkpoint,
+                   trees=args.tree)
 
 
 def _byte_text():
@@ -138,6 +148,9 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--seed", type=int, default=0, help="which held-out prompts")
   p.add_argument("--repeats", type=int, default=3, help="timed passes, taken in turns; the median counts")
   p.add_argument("--ks", type=int, nargs="+", default=None, help="numbers of drafts to compare (default 1..K)")
+  p.add_argument("--tree", type=_tree, action="append", default=None, metavar="W1,W2,..",
+                 help="also a draft tree, e.g. 3,2,1: top-3 children of the root, top-2 of each of those, ... "
+                      "(repeatable)")
   p.add_argument("--checkpoint", default=None, help="a training checkpoint directory instead of the shipped one")
   p.add_argument("--small", action="store_true", help=SMALL_HELP)
   p.set_defaults(func=_demo)

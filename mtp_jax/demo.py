@@ -15,6 +15,7 @@ from mtp_jax import checkpoint, data, train, validate
 from mtp_jax.generate import generate
 from mtp_jax.mtp import MtpModel
 from mtp_jax.target import TargetModel
+from mtp_jax.tree import TreeSpec, check_tree
 
 ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
 # small: 0.85M-parameter target, 3.4 MB, cache-resident (compute-bound on a CPU).
@@ -72,7 +73,8 @@ def export_demo(checkpoint_dir, out_dir, *, dtype: str = "bfloat16") -> int:
 
 @dataclasses.dataclass
 class DemoRow:
-  """Speculative decoding with k drafts, on the same prompts as plain greedy decoding."""
+  """Speculative decoding with k drafts (a chain, or a tree k deep), on the same prompts as plain
+  greedy decoding."""
 
   k: int
   acceptance: list[float]      # P(draft i accepted) per verify step, i = 1..k
@@ -83,6 +85,12 @@ class DemoRow:
   ms_per_call: float           # median decode time per target call: one verify + one propose step
   compile_s: float
   same_as_plain: bool
+  tree: tuple[int, ...] | None  # the tree's widths; None for the chain
+  rows_per_step: int            # target rows a verify step runs: k + 1, or the tree's nodes + 1
+
+  @property
+  def label(self) -> str:
+    return f"k={self.k}" if self.tree is None else "tree " + ",".join(map(str, self.tree))
 
 
 @dataclasses.dataclass
@@ -133,8 +141,10 @@ def _pooled(outs, key: str) -> np.ndarray:
 
 
 def run_demo(*, num_prompts: int = 8, prompt_len: int = 64, max_new_tokens: int = 128, seed: int = 0,
-             name: str = "small", path=None, ks: list[int] | None = None, repeats: int = 3) -> DemoReport:
-  """Greedy speculative decoding for each k in `ks` (default 1..K) and plain greedy decoding on
+             name: str = "small", path=None, ks: list[int] | None = None, repeats: int = 3,
+             trees: list[TreeSpec] | None = None) -> DemoReport:
+  """Greedy speculative decoding for each k in `ks` (default 1..K), for each draft tree in `trees`
+  (`mtp_jax.tree.TreeSpec`, at most K deep; default none) and plain greedy decoding on
   `num_prompts` held-out prompts of `prompt_len` bytes, one prompt at a time (batch 1, the
   latency setting speculative decoding is for), with the demo model `name` (or the checkpoint
   `path`). The decoders take turns (see `_interleaved`); times are medians over `repeats`
@@ -149,15 +159,22 @@ def run_demo(*, num_prompts: int = 8, prompt_len: int = 64, max_new_tokens: int 
   num_modules = proposer.cfg.num_modules
   ks = list(range(1, num_modules + 1)) if ks is None else [
       validate.integer(f"ks[{i}]", k, 1, num_modules) for i, k in enumerate(ks)]
+  trees = [] if trees is None else [check_tree(t) for t in trees]
+  for t in trees:
+    if t.depth > proposer.cfg.num_depths:
+      raise validate.InvalidValue("trees", f"tree widths={t.widths} is {t.depth} deep; the model drafts at most "
+                                           f"{proposer.cfg.num_depths}")
   prompts = data.heldout_prompts(num_prompts, prompt_len=prompt_len, seed=seed)
   decoders = [lambda p: generate(target, None, [p], max_new_tokens)]
   decoders += [lambda p, k=k: generate(target, proposer, [p], max_new_tokens, num_drafts=k) for k in ks]
+  decoders += [lambda p, t=t: generate(target, proposer, [p], max_new_tokens, tree=t) for t in trees]
   outs, secs, compile_s = _interleaved(decoders, prompts, repeats)
   plain, plain_secs = outs[0], secs[0]
   generated = sum(o.stats["generated_tokens"] for o in plain)
   plain_calls = sum(o.stats["target_calls"] for o in plain)
   rows = []
-  for k, spec, spec_secs, spec_compile in zip(ks, outs[1:], secs[1:], compile_s[1:]):
+  shapes = [(k, None, k + 1) for k in ks] + [(t.depth, t.widths, t.num_nodes + 1) for t in trees]
+  for (k, widths, rows_per_step), spec, spec_secs, spec_compile in zip(shapes, outs[1:], secs[1:], compile_s[1:]):
     calls = sum(o.stats["target_calls"] for o in spec)
     run_s = float(np.median(spec_secs))
     rows.append(DemoRow(k=k, acceptance=_pooled(spec, "acceptance_per_position").tolist(),
@@ -165,7 +182,8 @@ def run_demo(*, num_prompts: int = 8, prompt_len: int = 64, max_new_tokens: int 
                         tokens_per_s=sum(o.stats["generated_tokens"] for o in spec) / run_s,
                         speedup=float(np.median(plain_secs / spec_secs)),
                         ms_per_call=1e3 * run_s / calls, compile_s=spec_compile,
-                        same_as_plain=[o.tokens for o in spec] == [o.tokens for o in plain]))
+                        same_as_plain=[o.tokens for o in spec] == [o.tokens for o in plain],
+                        tree=widths, rows_per_step=rows_per_step))
   plain_s = float(np.median(plain_secs))
   return DemoReport(model=name if path is None else os.fspath(path), rows=rows,
                     plain_tokens_per_s=generated / plain_s, plain_ms_per_call=1e3 * plain_s / plain_calls,
@@ -174,36 +192,40 @@ def run_demo(*, num_prompts: int = 8, prompt_len: int = 64, max_new_tokens: int 
 
 
 def best_row(report: DemoReport) -> DemoRow:
-  """The k with the highest speculative tokens/s."""
+  """The row (k or tree) with the highest speculative tokens/s."""
   return max(report.rows, key=lambda r: r.tokens_per_s)
 
 
 def format_report(report: DemoReport) -> str:
-  """The demo's table as text, one row per k, then the best k in one line."""
+  """The demo's table as text, one row per k or tree, then the best one in one line."""
   k_max = max(r.k for r in report.rows)
-  head = (f"{'k':>2} | {'acceptance per depth':<{7 * k_max}} | {'accepted len':>12} | {'target calls':>12} | "
+  width = max(len(r.label) for r in report.rows)
+  head = (f"{'drafts':<{width}} | {'rows':>4} | {'acceptance per depth':<{7 * k_max}} | {'accepted len':>12} | "
+          f"{'target calls':>12} | "
           f"{'ms/call':>7} | {'spec tok/s':>10} | {'plain tok/s':>11} | {'speedup':>7} | {'same':>4} | "
           f"{'compile s':>9}")
   lines = [head, "-" * len(head)]
   for r in report.rows:
     acc = " ".join(f"{a:6.3f}" for a in r.acceptance)
-    lines.append(f"{r.k:>2} | {acc:<{7 * k_max}} | {r.mean_accepted_length:>12.3f} | {r.target_calls:>12} | "
+    lines.append(f"{r.label:<{width}} | {r.rows_per_step:>4} | {acc:<{7 * k_max}} | {r.mean_accepted_length:>12.3f} | "
+                 f"{r.target_calls:>12} | "
                  f"{r.ms_per_call:>7.2f} | {r.tokens_per_s:>10.0f} | {report.plain_tokens_per_s:>11.0f} | "
                  f"{r.speedup:>6.2f}x | {'yes' if r.same_as_plain else 'NO':>4} | {r.compile_s:>9.1f}")
   lines.append(f"plain greedy: {report.plain_target_calls} target calls for {report.generated_tokens} tokens, "
                f"{report.plain_ms_per_call:.2f} ms/call, compile {report.plain_compile_s:.1f} s")
   best = best_row(report)
-  lines.append(f"best: k={best.k}, {best.speedup:.2f}x plain tokens/s ({best.tokens_per_s:.0f} vs "
+  lines.append(f"best: {best.label}, {best.speedup:.2f}x plain tokens/s ({best.tokens_per_s:.0f} vs "
                f"{report.plain_tokens_per_s:.0f}), mean accepted length {best.mean_accepted_length:.2f}, "
                f"model {report.model}")
   return "\n".join(lines)
 
 
 def main(*, num_prompts: int, prompt_len: int, max_new_tokens: int, seed: int, repeats: int,
-         ks: list[int] | None = None, name: str = "small", path=None, out: Callable[[str], None] = print) -> int:
+         ks: list[int] | None = None, name: str = "small", path=None, out: Callable[[str], None] = print,
+         trees: list[TreeSpec] | None = None) -> int:
   """Runs the demo and prints the table; returns 1 if any speculative output differs from plain."""
   report = run_demo(num_prompts=num_prompts, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                    seed=seed, name=name, path=path, ks=ks, repeats=repeats)
+                    seed=seed, name=name, path=path, ks=ks, repeats=repeats, trees=trees)
   prompt, continuation = report.sample
   out(f"demo model: {report.model}; {num_prompts} held-out prompts of {prompt_len} bytes, {max_new_tokens} new "
       f"tokens each, greedy, one prompt at a time; plain and every k take turns, times are medians of "
@@ -211,6 +233,6 @@ def main(*, num_prompts: int, prompt_len: int, max_new_tokens: int, seed: int, r
   out(f"sample prompt:\n{prompt}\n--- greedy continuation:\n{continuation}\n---")
   out(format_report(report))
   same = all(r.same_as_plain for r in report.rows)
-  out("speculative output equals plain greedy output for every k" if same
+  out("speculative output equals plain greedy output for every k and tree" if same
       else "MISMATCH: speculative output differs from plain greedy output")
   return 0 if same else 1

@@ -4,6 +4,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from mtp_jax import cli, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -12,12 +14,21 @@ TINY_TRAIN = ["--batch-size", "2", "--seq-len", "16", "--hidden-size", "32", "--
 
 
 def test_demo_prints_the_table(capsys):
-  argv = ["demo", "--small", "--num-prompts", "2", "--max-new-tokens", "16", "--repeats", "1", "--ks", "1", "3"]
+  argv = ["demo", "--small", "--num-prompts", "2", "--max-new-tokens", "16", "--repeats", "1", "--ks", "1", "3",
+          "--tree", "2,2,1"]
   assert cli.main(argv) == 0
   out = capsys.readouterr().out
-  assert "\n 1 | " in out and "\n 3 | " in out and "\n 2 | " not in out
-  assert "speculative output equals plain greedy output for every k" in out
-  assert "demo model: small" in out and "\nbest: k=" in out
+  assert "\nk=1 " in out and "\nk=3 " in out and "\nk=2 " not in out and "\ntree 2,2,1 |   11 | " in out
+  assert "speculative output equals plain greedy output for every k and tree" in out
+  assert "demo model: small" in out and "\nbest: " in out
+
+
+def test_demo_refuses_a_bad_tree(capsys):
+  with pytest.raises(SystemExit) as e:  # argparse: usage and one error line
+    cli.main(["demo", "--small", "--tree", "2,0"])
+  assert e.value.code == 2
+  assert "argument --tree: widths like 3,2,1 (children per node at each depth): widths[1] must be an int in " \
+         "1..2147483647, got 0" in capsys.readouterr().err
 
 
 def test_generate_streams_the_continuation(capsys):

@@ -21,8 +21,8 @@ def test_load_demo_returns_the_shipped_models_and_tokenizer():
 
 def test_demo_speculative_output_equals_plain_greedy():
   # The settings of the CLI test: in one pytest process the two share their compiled programs.
-  report = demo.run_demo(num_prompts=2, max_new_tokens=16, repeats=1, ks=[1, 3])
-  assert [r.k for r in report.rows] == [1, 3]
+  report = demo.run_demo(num_prompts=2, max_new_tokens=16, repeats=1, ks=[1, 3], trees=[mtp_jax.TreeSpec((2, 2, 1))])
+  assert [(r.label, r.rows_per_step) for r in report.rows] == [("k=1", 2), ("k=3", 4), ("tree 2,2,1", 11)]
   for row in report.rows:
     assert row.same_as_plain
     assert len(row.acceptance) == row.k and all(0 <= a <= 1 for a in row.acceptance)
@@ -31,13 +31,16 @@ def test_demo_speculative_output_equals_plain_greedy():
     assert row.target_calls < report.plain_target_calls == report.generated_tokens
   assert report.model == "small" and all(r.speedup > 0 for r in report.rows)
   text = demo.format_report(report)
-  assert " 3 | " in text and "yes" in text and "NO" not in text
-  assert f"best: k={demo.best_row(report).k}," in text
+  assert "\nk=3        |    4 | " in text and "\ntree 2,2,1 |   11 | " in text
+  assert "yes" in text and "NO" not in text
+  assert f"best: {demo.best_row(report).label}," in text
 
 
 def test_run_demo_rejects_k_beyond_the_modules():
   with pytest.raises(ValueError, match=r"ks\[0\] must be an int in 1..3, got 4"):
     demo.run_demo(num_prompts=1, max_new_tokens=4, ks=[4], repeats=1, name="small")
+  with pytest.raises(ValueError, match=r"widths=\(1, 1, 1, 1\) is 4 deep; the model drafts at most 3"):
+    demo.run_demo(num_prompts=1, max_new_tokens=4, trees=[mtp_jax.TreeSpec((1, 1, 1, 1))], repeats=1, name="small")
 
 
 def test_export_stores_bf16_and_loads_as_float32(tmp_path):
