@@ -7,7 +7,8 @@ from mtp_jax.proposer import ProposerState, after_verify, checked, init_state, p
 from mtp_jax.target import (TargetModel, TargetState, init_target, init_target_state, load_target_state_dict,
                             target_state_dict, target_step)
 from mtp_jax.tree import DraftTree, TreeSpec
-from mtp_jax.verify import verify_greedy, verify_relaxed, verify_sampling, verify_tree_greedy
+from mtp_jax.verify import (verify_greedy, verify_relaxed, verify_sampling, verify_tree_greedy,
+                            verify_tree_sampling)
 from mtp_jax.generate import GenerateOutput, generate
 from mtp_jax.engine import Engine
 from mtp_jax import blocks, checkpoint, data, grammar, layouts, sharding, train  # submodules, as namespaces
@@ -19,6 +20,6 @@ __all__ = [
     "load_state_dict", "state_dict", "ProposerState", "after_verify", "checked", "init_state",
     "propose", "reset_slots", "TargetModel", "TargetState", "init_target", "init_target_state",
     "load_target_state_dict", "target_state_dict", "target_step", "verify_greedy", "verify_relaxed",
-    "verify_sampling", "verify_tree_greedy", "TreeSpec", "DraftTree", "GenerateOutput", "generate", "Engine", "blocks", "checkpoint", "data", "grammar", "layouts",
+    "verify_sampling", "verify_tree_greedy", "verify_tree_sampling", "TreeSpec", "DraftTree", "GenerateOutput", "generate", "Engine", "blocks", "checkpoint", "data", "grammar", "layouts",
     "sharding", "train", "load_demo", "from_pretrained", "load_tokenizer",
 ]

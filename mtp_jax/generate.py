@@ -28,8 +28,9 @@ from mtp_jax.blocks.paged import check_paging
 from mtp_jax.mtp import MtpModel
 from mtp_jax.sampling import sample
 from mtp_jax.target import TargetModel, TargetState, compact_target, init_target_state, target_step, trim_target
-from mtp_jax.tree import TreeSpec, check_tree
-from mtp_jax.verify import verify_greedy, verify_relaxed, verify_sampling, verify_tree_greedy
+from mtp_jax import tree as tree_lib
+from mtp_jax.tree import DraftTree, TreeSpec, check_tree
+from mtp_jax.verify import verify_greedy, verify_relaxed, verify_sampling, verify_tree_greedy, verify_tree_sampling
 
 PROMPT_BUCKET = 32  # prompts are padded to a multiple of this: one compile per bucket
 MIN_CAPACITY = 256  # cache rows per sequence to start with (unless fewer will do); doubled as needed
@@ -63,6 +64,7 @@ class LoopState:
   accepted: jax.Array        # int32[B], emitted tokens that were drafts
   target_tokens: jax.Array   # int32[B], emitted tokens chosen by the target
   accepted_at: jax.Array     # int32[k], steps whose draft i was accepted (all sequences)
+  tree_probs: jax.Array | None = None  # float32[B, M, V]: a sampled tree's draft distributions
 
   def set(self, **changes) -> "LoopState":
     return dataclasses.replace(self, **changes)
@@ -122,7 +124,14 @@ def _draft(proposer, grammar, pstate, hid, tokens, num_new_B, gstate_B, key, cfg
   drafts, pstate = prop._propose(proposer, pstate, hid, tokens, num_new_B, cfg.num_drafts, key, cfg.temperature,
                                  cfg.top_k, cfg.top_p, draft_grammar, None if draft_grammar is None else gstate_B,
                                  False, cfg.draft_masks == "per_position", catch_up=False, tree=cfg.tree)
-  return (drafts if cfg.tree is None else drafts.tokens), pstate
+  return drafts, pstate
+
+
+def _with_drafts(s: LoopState, pstate, drafts) -> LoopState:
+  """s with the new proposer state and drafts (a chain's int32[B, k], or a DraftTree)."""
+  if isinstance(drafts, DraftTree):
+    return s.set(proposer=pstate, drafts=drafts.tokens, tree_probs=drafts.probs)
+  return s.set(proposer=pstate, drafts=drafts)
 
 
 def _split(key, cfg: _Settings):
@@ -163,7 +172,7 @@ def _start(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key, cfg: _
   tokens = jnp.concatenate([prompts_BxT[:, 1:], prompts_BxT[:, :1]], axis=1)
   tokens = tokens.at[jnp.arange(b), lens_B - 1].set(first_B)
   drafts, pstate = _draft(proposer, grammar, pstate, hid, tokens, lens_B, gstate_B, k_draft, cfg)
-  return _stop_out_of_pages(s.set(proposer=pstate, drafts=drafts))
+  return _stop_out_of_pages(_with_drafts(s, pstate, drafts))
 
 
 def _out_of_pages(tstate: TargetState, pstate: prop.ProposerState | None) -> jax.Array:
@@ -191,8 +200,9 @@ def _step(target, proposer, grammar, s: LoopState, cfg: _Settings) -> LoopState:
                                     cfg.tree)
   active_B = active_B & ~_out_of_pages(tstate, None)  # its logits are meaningless: emit nothing
   if grammar is not None:
-    # Position i gives the token after [emitted, d_1..d_i].
-    gstates_BxK1 = grammar_lib.states_along(grammar, s.grammar_state, s.drafts)
+    # Position i gives the token after [emitted, d_1..d_i]; a tree node, after [emitted, its path].
+    gstates_BxK1 = (grammar_lib.states_along(grammar, s.grammar_state, s.drafts) if cfg.tree is None else
+                    tree_lib.node_states(grammar, s.grammar_state, inp_BxK1, cfg.tree))
     mask_BxK1xV = grammar_lib.token_mask(grammar, gstates_BxK1, logits.shape[-1])
     logits = grammar_lib.apply_mask(logits, mask_BxK1xV)
   drafts_BxK = s.drafts
@@ -200,7 +210,13 @@ def _step(target, proposer, grammar, s: LoopState, cfg: _Settings) -> LoopState:
     a_B = jnp.zeros((b,), jnp.int32)
     next_B, _ = sample(logits[:, 0], k_verify, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
   elif cfg.tree is not None:
-    a_B, next_B, path_BxK1 = verify_tree_greedy(logits, s.drafts, cfg.tree)
+    if cfg.temperature == 0:
+      a_B, next_B, path_BxK1 = verify_tree_greedy(logits, s.drafts, cfg.tree)
+    else:
+      a_B, next_B, path_BxK1 = verify_tree_sampling(logits, s.drafts, s.tree_probs, k_verify, cfg.tree,
+                                                    temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+    if grammar is not None:
+      gstates_BxK1 = jnp.take_along_axis(gstates_BxK1, path_BxK1, axis=1)
     drafts_BxK = jnp.take_along_axis(inp_BxK1, path_BxK1[:, 1:], axis=1)  # the path's tokens act as drafts
     hid = jnp.take_along_axis(hid, path_BxK1[..., None], axis=1)
     # The target keeps the root and the accepted path: its nodes' rows move into place.
@@ -236,7 +252,7 @@ def _step(target, proposer, grammar, s: LoopState, cfg: _Settings) -> LoopState:
   pstate = prop._after_verify(s.proposer, a_B)
   num_new = jnp.where(s2.done, 0, a_B + 1)
   drafts, pstate = _draft(proposer, grammar, pstate, hid, new_BxK1, num_new, s2.grammar_state, k_draft, cfg)
-  return _stop_out_of_pages(s2.set(proposer=pstate, drafts=drafts))
+  return _stop_out_of_pages(_with_drafts(s2, pstate, drafts))
 
 
 def _out_width(cfg: _Settings) -> int:
@@ -343,7 +359,7 @@ def _validate(target, proposer, prompts, max_new_tokens, num_drafts, temperature
   if tree is not None:
     if proposer is None:
       raise validate.InvalidValue("tree", "tree drafts need a proposer")
-    prop._check_tree_args(tree, k, temperature, grammar)
+    prop._check_tree_args(tree, k)
     if relaxed is not None:
       raise validate.InvalidValue("tree", "tree verification is exact greedy: pass relaxed=None with a tree")
   longest = max(len(p) for p in prompts)
@@ -447,10 +463,12 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
       default max_len is rounded up to a multiple of it); num_pages pages per layer, default
       B * max_len / page_size (as much as the contiguous caches), at least max_len / page_size.
       A sequence refused a page stops early (listed in stats["out_of_pages"]); the others go on.
-    tree: a `mtp_jax.tree.TreeSpec` (greedy only; contiguous, unsharded caches): the chain drafts
-      a tree of depth k = num_drafts (default the tree's depth), the target verifies all its
-      nodes in one call with the tree mask, and the longest path that matches the target's
-      argmax is accepted; the output equals plain greedy decoding.
+    tree: a `mtp_jax.tree.TreeSpec` (contiguous, unsharded caches; not with relaxed): the chain
+      drafts a tree of depth k = num_drafts (default the tree's depth), the target verifies all
+      its nodes in one call with the tree mask. Greedy: the longest path that matches the
+      target's argmax is accepted, so the output equals plain greedy decoding; sampling:
+      multi-candidate rejection sampling (`verify_tree_sampling`), lossless. Grammar masks
+      apply per node, with the state after the node's path.
   Returns:
     GenerateOutput. stats: target_calls (forward passes per sequence, prefill included, summed),
     verify_calls, accepted_tokens (emitted drafts), target_tokens (emitted target tokens;

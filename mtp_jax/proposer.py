@@ -41,7 +41,8 @@ from mtp_jax.blocks import KVCache, MlaCache, TreeRows, init_cache
 from mtp_jax.blocks.paged import Pages, PagedKVCache, allocator, bind, paged_cache, unbind
 from mtp_jax.config import MtpConfig
 from mtp_jax.mtp import MtpModel
-from mtp_jax.sampling import sample
+from mtp_jax import tree as tree_lib
+from mtp_jax.sampling import filtered_probs, sample
 from mtp_jax.tree import DraftTree, TreeSpec, check_tree
 
 
@@ -195,11 +196,13 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
       the next call may use any k. False runs only the k drafting modules, for callers that keep
       k fixed (`generate`): the state's num_live becomes k, and later calls must keep
       num_drafts <= k with catch_up=False.
-    tree: static `mtp_jax.tree.TreeSpec` with depth num_drafts: draft a tree instead of a chain
-      (greedy: temperature 0, no grammar). Each node of depth d - 1 gets the top-w_d tokens of
-      depth d's logits after the node's path; depth d runs over the nodes of depths 1..d as
-      extra rows that see the verified rows and their own ancestors and are never cached, so
-      the state holds verified rows only and `after_verify` works as after a chain.
+    tree: static `mtp_jax.tree.TreeSpec` with depth num_drafts: draft a tree instead of a chain.
+      Each node of depth d - 1 gets w_d children from depth d's distribution after the node's
+      path: its top-w_d tokens when greedy, w_d independent draws when sampling (the tree keeps
+      the distributions, DraftTree.probs); with a grammar each node is masked with the state
+      after its path. Depth d runs over the nodes of depths 1..d as extra rows that see the
+      verified rows and their own ancestors and are never cached, so the state holds verified
+      rows only and `after_verify` works as after a chain.
   Returns:
     drafts int32[B, k] (a `DraftTree` with tokens int32[B, N] when tree is given), new
     ProposerState. Drafts of a sequence with no positions are unspecified.
@@ -219,7 +222,7 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
   checked = validate.flag("checked", checked)
   catch_up = validate.flag("catch_up", catch_up)
   if tree is not None:
-    _check_tree_args(tree, num_drafts, temperature, grammar)
+    _check_tree_args(tree, num_drafts)
   hiddens, tokens, num_new = jnp.asarray(hiddens), jnp.asarray(tokens), jnp.asarray(num_new)
   if validate.is_concrete(state.num_pos, hiddens, tokens, num_new, grammar_state):
     _raise_eager(_propose_value_errors(state, hiddens, tokens, num_new, params.cfg.vocab_size, grammar,
@@ -233,15 +236,11 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
                   catch_up=catch_up, tree=tree)
 
 
-def _check_tree_args(tree, num_drafts, temperature, grammar):
+def _check_tree_args(tree, num_drafts):
   check_tree(tree)
   if tree.depth != num_drafts:
     raise validate.InvalidValue("tree", f"tree has depth {tree.depth} (widths={tree.widths}) but "
                                         f"num_drafts={num_drafts}; they must be equal")
-  if temperature != 0:
-    raise validate.InvalidValue("tree", f"tree drafts are greedy: temperature must be 0, got {temperature}")
-  if grammar is not None:
-    raise validate.InvalidValue("tree", "tree drafts take no grammar yet: pass tree=None with a grammar")
 
 
 def _check_grammar(grammar, grammar_state, batch_size, vocab_size):
@@ -290,6 +289,7 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
   num_run = cfg.num_depths if catch_up else num_drafts
   if tree is not None:
     nodes_tok_BxN1 = jnp.zeros((b, tree.num_nodes + 1), jnp.int32)
+    tree_probs = []
   for i in range(num_run):
     # A tree runs every depth over verified rows only; its nodes are extra rows (_tree_depth).
     drafting = i < num_drafts and tree is None
@@ -336,19 +336,33 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
       if grammar is not None and grammar_per_position:
         g_state_B = grammar_lib.advance(grammar, g_state_B, d_B)
     if tree is not None and i < num_drafts:
-      nodes_h, nodes_tok_BxN1 = _tree_depth(params, i, tree, kv[i], out_BxWxD, next_h_BxWxD, start_B, new_num_pos_B,
-                                            nodes_h if i > 0 else None, nodes_tok_BxN1)
+      nodes_h, out_BxNxD = _tree_depth(params, i, tree, kv[i], out_BxWxD, next_h_BxWxD, start_B, new_num_pos_B,
+                                       nodes_h if i > 0 else None, nodes_tok_BxN1)
+      logits_BxNxV = params.logits(i, out_BxNxD)
+      if grammar is not None:
+        # Each node is masked with the state after its path (the "first" ablation: the root's state).
+        if grammar_per_position:
+          g_BxN = tree_lib.node_states(grammar, grammar_state_B, nodes_tok_BxN1, tree,
+                                       upto=i)[:, tree.starts[i]:tree.starts[i + 1]]
+        else:
+          g_BxN = jnp.broadcast_to(grammar_state_B[:, None], logits_BxNxV.shape[:2])
+        logits_BxNxV = grammar_lib.apply_mask(logits_BxNxV, grammar_lib.token_mask(grammar, g_BxN, cfg.vocab_size))
+      sub_key = None if key is None else jax.random.fold_in(key, i)
+      kids_BxC, q_BxNxV = _tree_children(logits_BxNxV, tree.widths[i], sub_key, temperature, top_k, top_p)
+      nodes_tok_BxN1 = nodes_tok_BxN1.at[:, tree.starts[i + 1]:tree.starts[i + 2]].set(kids_BxC)
+      tree_probs.append(q_BxNxV)
     prev_h_BxWxD, prev_start_B = next_h_BxWxD, start_B
 
   draft_probs = state.draft_probs
-  if draft_probs is not None:
+  if draft_probs is not None and tree is None:  # a tree's distributions travel in its DraftTree
     draft_probs = draft_probs.at[:, :num_drafts].set(jnp.stack(probs, axis=1))
   new_state = state.set(kv=tuple(kv) if pages is None else unbind(kv), tail=tuple(tail),
                         lengths=jnp.concatenate([jnp.stack(new_lengths), lengths_KxB[num_run:]]),
                         num_pos=new_num_pos_B, num_drafted=jnp.full((b,), num_drafts, jnp.int32),
                         draft_probs=draft_probs, num_live=num_run, pages=pages)
   if tree is not None:
-    return DraftTree.of(tree, nodes_tok_BxN1[:, 1:]), new_state
+    probs = None if temperature == 0 else jnp.concatenate(tree_probs, axis=1)
+    return DraftTree.of(tree, nodes_tok_BxN1[:, 1:], probs), new_state
   return jnp.stack(drafts, axis=1), new_state
 
 
@@ -360,8 +374,8 @@ def _tree_depth(params, i, tree, cache, out_BxWxD, next_h_BxWxD, start_B, new_nu
   and the hidden depth i - 1 handed on at the node's parent. Those rows see the cache below
   the root's row plus their ancestors, and are not written: they used drafts.
   prev_nodes_h: dtype[B, M, D], depth i - 1's handed-on hiddens at tree nodes 0..M-1.
-  Returns (depth i's handed-on hiddens at nodes 0..M'-1, nodes_tok_BxN1 with depth i + 1 filled:
-  each depth-i node's top-w_{i+1} tokens).
+  Returns (depth i's handed-on hiddens at nodes 0..M'-1, its outputs dtype[B, N_i, D] at the
+  tree's depth-i nodes, whose logits give their children).
   """
   b, w, _ = out_BxWxD.shape
   root_row_B = new_num_pos_B - 1 - i
@@ -377,10 +391,18 @@ def _tree_depth(params, i, tree, cache, out_BxWxD, next_h_BxWxD, start_B, new_nu
     out_BxMxD, _ = params.module(i)(emb, h_in, rows_BxM, rows_BxM >= 0, cache, rope_offset=i + 1, tree=rows)
     node_out = jnp.concatenate([node_out, out_BxMxD], axis=1)
     node_h = jnp.concatenate([node_h, params.next_hidden(i, out_BxMxD)], axis=1)
-  lo, hi = tree.starts[i], tree.starts[i + 1]
-  _, top_BxNxW = jax.lax.top_k(params.logits(i, node_out[:, lo:hi]), tree.widths[i])
-  nodes_tok_BxN1 = nodes_tok_BxN1.at[:, hi:tree.starts[i + 2]].set(top_BxNxW.reshape(b, -1).astype(jnp.int32))
-  return node_h, nodes_tok_BxN1
+  return node_h, node_out[:, tree.starts[i]:tree.starts[i + 1]]
+
+
+def _tree_children(logits_BxNxV, width, key, temperature, top_k, top_p):
+  """(children int32[B, N * width], parent-major, and the draft distributions float32[B, N, V] or
+  None when greedy): the top-width tokens of each node, or width independent draws from it."""
+  b, n, _ = logits_BxNxV.shape
+  if temperature == 0:
+    return jax.lax.top_k(logits_BxNxV, width)[1].reshape(b, -1).astype(jnp.int32), None
+  q_BxNxV = filtered_probs(logits_BxNxV, temperature=temperature, top_k=top_k, top_p=top_p)
+  kids = jax.random.categorical(key, jnp.log(q_BxNxV)[:, :, None], axis=-1, shape=(b, n, width))
+  return kids.reshape(b, -1).astype(jnp.int32), q_BxNxV
 
 
 _propose_jit = jax.jit(_propose, static_argnums=(5, 7, 8, 9, 12, 13, 14, 15))

@@ -19,8 +19,10 @@ import dataclasses
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax import grammar as grammar_lib
 from mtp_jax import validate
 
 MAX_NODES = 256  # a verify call runs N + 1 target rows per sequence
@@ -105,17 +107,33 @@ class DraftTree:
 
   tokens: int32[B, N], node n's token (node n here is TreeSpec node n + 1);
   parents: int32[N], the parent's index in tokens, -1 for children of the root;
-  depths: int32[N], 1..k.
+  depths: int32[N], 1..k;
+  probs: float32[B, M, V] when sampling, else None: the distribution TreeSpec node m's children
+    were drawn from, for the M = starts[k] nodes that have children (the root first).
   """
 
   tokens: jax.Array
   parents: jax.Array
   depths: jax.Array
+  probs: jax.Array | None = None
 
   @classmethod
-  def of(cls, spec: TreeSpec, tokens_BxN) -> "DraftTree":
+  def of(cls, spec: TreeSpec, tokens_BxN, probs_BxMxV=None) -> "DraftTree":
     return cls(tokens=tokens_BxN, parents=np.asarray(spec.parents[1:] - 1, np.int32),
-               depths=np.asarray(spec.depths[1:], np.int32))
+               depths=np.asarray(spec.depths[1:], np.int32), probs=probs_BxMxV)
+
+
+def node_states(grammar, state_B, tokens_BxN1, tree: TreeSpec, upto: int | None = None):
+  """Grammar states int32[B, N + 1] after each node's path: the root (column 0) keeps state_B, a
+  node the state after its parent's advanced by its own token (tokens_BxN1[:, n]; the root's
+  is not read). upto: only depths 1..upto are advanced (the rest stay 0)."""
+  states = [state_B[:, None]]
+  for d in range(1, (tree.depth if upto is None else upto) + 1):
+    nodes = np.arange(tree.starts[d], tree.starts[d + 1])
+    parent_states = jnp.concatenate(states, axis=1)[:, tree.parents[nodes]]
+    states.append(grammar_lib.advance(grammar, parent_states, tokens_BxN1[:, nodes]))
+  states = jnp.concatenate(states, axis=1)
+  return jnp.pad(states, [(0, 0), (0, tree.num_nodes + 1 - states.shape[1])])
 
 
 def check_tree(tree) -> TreeSpec:

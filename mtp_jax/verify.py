@@ -35,6 +35,14 @@ def _check(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV=None):
   return b, k1 - 1, v
 
 
+def _residual(r_BxV, q_BxV):
+  """norm(max(0, r - q)): what is left of distribution r once a draw from q was rejected. Where
+  nothing is left (r == q, so rejection had probability 0) r itself: a guard against rounding."""
+  res_BxV = jnp.maximum(r_BxV - q_BxV, 0.0)
+  mass = jnp.sum(res_BxV, axis=-1, keepdims=True)
+  return jnp.where(mass > 0, res_BxV / jnp.where(mass > 0, mass, 1.0), r_BxV)
+
+
 def verify_greedy(logits_BxK1xV: jax.Array, drafts_BxK: jax.Array):
   """Accepts the longest prefix of drafts equal to the target's argmax; next token is the argmax after it.
 
@@ -66,11 +74,7 @@ def verify_sampling(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV, key, *, temper
   # u < p/q written without the division: q_d > 0 for any token the draft could have drawn.
   a_B = _first_rejection(u_BxK * q_d < p_d)
   q_pad = jnp.concatenate([draft_probs_BxKxV, jnp.zeros_like(p_BxK1xV[:, :1])], axis=1)
-  residual_BxV = jnp.maximum(_at(p_BxK1xV, a_B) - _at(q_pad, a_B), 0.0)
-  # When p == q exactly the residual is empty; rejection then had probability 0, so p is a fallback
-  # that only guards against float rounding.
-  mass_B = jnp.sum(residual_BxV, axis=-1, keepdims=True)
-  residual_BxV = jnp.where(mass_B > 0, residual_BxV, _at(p_BxK1xV, a_B))
+  residual_BxV = _residual(_at(p_BxK1xV, a_B), _at(q_pad, a_B))
   next_B = jax.random.categorical(key_next, jnp.log(residual_BxV), axis=-1).astype(jnp.int32)
   return a_B, next_B
 
@@ -120,3 +124,56 @@ def verify_tree_greedy(logits_BxN1xV: jax.Array, tree_tokens_BxN: jax.Array, tre
   best_B = jnp.argmax(depth_BxN1, axis=1)
   return (jnp.asarray(tree.depths)[best_B], jnp.take_along_axis(greedy_BxN1, best_B[:, None], axis=1)[:, 0],
           jnp.asarray(tree.paths)[best_B])
+
+
+def verify_tree_sampling(logits_BxN1xV, tree_tokens_BxN, draft_probs_BxMxV, key, tree: TreeSpec, *,
+                         temperature: float, top_k: int | None = None, top_p: float | None = None):
+  """Lossless speculative sampling over a draft tree whose node m's children were drawn independently
+  from draft_probs_BxMxV[:, m] (multi-candidate rejection sampling: SpecInfer, Miao et al. 2024).
+
+  From the root, the children of the current node are tried in order: child x is accepted with
+  probability min(1, r(x) / q(x)), where r starts as the target's distribution p at the node and
+  becomes norm(max(0, r - q)) after each rejected child. An accepted child becomes the current
+  node (r = p there); when every child is rejected, or at a leaf, the next token is drawn from r.
+  Each draw is then distributed exactly as sampling from p.
+
+  Args:
+    logits_BxN1xV: float32[B, N + 1, V] target logits at the nodes, root first (tree order).
+    tree_tokens_BxN: int32[B, N]; draft_probs_BxMxV: float32[B, M, V] (DraftTree.probs).
+  Returns:
+    (num_accepted int32[B], next_token int32[B], path int32[B, k + 1]) as verify_tree_greedy.
+  """
+  tree = check_tree(tree)
+  n1, m = tree.num_nodes + 1, tree.starts[tree.depth]
+  logits_BxN1xV = validate.array("logits", logits_BxN1xV, (None, n1, None), kind="float", dims=f"[B, N + 1 = {n1}, V]")
+  b, _, v = logits_BxN1xV.shape
+  validate.array("tree_tokens", tree_tokens_BxN, (b, n1 - 1), kind="int", dims=f"[B={b}, N={n1 - 1}]")
+  validate.array("draft_probs", draft_probs_BxMxV, (b, m, v), kind="float", dims=f"[B={b}, M={m}, V={v}]")
+  if key is None:
+    raise validate.InvalidValue("key", "verify_tree_sampling needs a PRNG key")
+  p_BxN1xV = filtered_probs(logits_BxN1xV, temperature=temperature, top_k=top_k, top_p=top_p)
+  tokens_BxN1 = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.asarray(tree_tokens_BxN, jnp.int32)], axis=1)
+  at = lambda x_BxNx, n_B: jnp.take_along_axis(x_BxNx, n_B.reshape((b,) + (1,) * (x_BxNx.ndim - 1)), axis=1)[:, 0]
+  keys = iter(jax.random.split(key, sum(tree.widths) + 1))
+  cur_B = jnp.zeros((b,), jnp.int32)
+  walking_B = jnp.ones((b,), bool)  # still descending: every node so far accepted
+  r_BxV = p_BxN1xV[:, 0]
+  for d in range(1, tree.depth + 1):
+    w = tree.widths[d - 1]
+    q_BxV = at(draft_probs_BxMxV, cur_B)
+    first_B = tree.starts[d] + (cur_B - tree.starts[d - 1]) * w
+    moved_B = jnp.zeros((b,), bool)
+    for j in range(w):
+      child_B = first_B + j
+      x_B = at(tokens_BxN1, child_B)
+      u_B = jax.random.uniform(next(keys), (b,))
+      trying_B = walking_B & ~moved_B
+      # u < r/q without the division: q(x) > 0 for any token the draft could have drawn.
+      ok_B = trying_B & (u_B * at(q_BxV, x_B) < at(r_BxV, x_B))
+      r_BxV = jnp.where((trying_B & ~ok_B)[:, None], _residual(r_BxV, q_BxV), r_BxV)
+      cur_B = jnp.where(ok_B, child_B, cur_B)
+      moved_B = moved_B | ok_B
+    r_BxV = jnp.where(moved_B[:, None], at(p_BxN1xV, cur_B), r_BxV)
+    walking_B = walking_B & moved_B
+  next_B = jax.random.categorical(next(keys), jnp.log(r_BxV), axis=-1).astype(jnp.int32)
+  return jnp.asarray(tree.depths)[cur_B], next_B, jnp.asarray(tree.paths)[cur_B]

@@ -11,12 +11,18 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mtp_jax
-from mtp_jax import TreeSpec, validate
+from mtp_jax import TreeSpec, grammar, validate
 
-from test_generate import PROMPTS5, PROPOSER5, TARGET5, _models
+from test_generate import PROMPTS5, PROPOSER5, TARGET5, _exact_joint, _models
+from test_grammar_generate import AB_VOCAB, EOS, G, MAX_NEW, _assert_matches
+from test_grammar_generate import PROMPTS as GPROMPTS
+from test_grammar_generate import PROPOSER as GP
+from test_grammar_generate import TARGET as GT
 from test_proposer import CFG, D, K, MAX_LEN, MODEL, NEAR_TIE, V, Sim, _ref_logits
+from test_verify import _chi2_pvalue
 
 gen_lib = importlib.import_module("mtp_jax.generate")
+verify_lib = importlib.import_module("mtp_jax.verify")
 target_lib = importlib.import_module("mtp_jax.target")
 
 
@@ -216,7 +222,7 @@ def test_tree_accepts_at_least_what_the_chain_does_per_step():
 
 
 @pytest.mark.parametrize("kwargs, argument", [
-    (dict(temperature=0.7), "tree"), (dict(num_drafts=2), "tree"), (dict(relaxed=(2, 0.1)), "tree"),
+    (dict(num_drafts=2), "tree"), (dict(relaxed=(2, 0.1)), "tree"),
     (dict(page_size=16), "tree"), (dict(tree="222"), "tree")])
 def test_generate_tree_errors(kwargs, argument):
   kwargs = {"tree": TreeSpec((2, 2, 2)), **kwargs}
@@ -236,3 +242,66 @@ def test_tree_errors_name_the_argument():
   with pytest.raises(validate.InvalidValue) as e:
     mtp_jax.verify_tree_greedy(jnp.zeros((1, 4, V)), jnp.zeros((1, 2), jnp.int32), TreeSpec((2, 2)))
   assert e.value.argument == "logits"
+
+
+def _tree_sampling_first_tokens(rule, copies=20000, seed=0):
+  """Counts of the first token a verification emits, and the target's distribution at the root:
+  random target distributions at every node, children drawn independently from random drafts."""
+  tree, v = TreeSpec((3, 2)), 4
+  rng = np.random.default_rng(seed)
+  p_N1xV = rng.dirichlet(np.ones(v), size=tree.num_nodes + 1)
+  q_MxV = rng.dirichlet(np.ones(v) * 0.5, size=tree.starts[tree.depth])
+  key_kids, key_verify = jax.random.split(jax.random.key(seed))
+  kids = jax.random.categorical(key_kids, jnp.log(q_MxV[tree.parents[1:]]), axis=-1, shape=(copies, tree.num_nodes))
+  logits = jnp.broadcast_to(jnp.log(p_N1xV), (copies,) + p_N1xV.shape)
+  q = jnp.broadcast_to(q_MxV, (copies,) + q_MxV.shape)
+  a, nxt, path = rule(logits, kids.astype(jnp.int32), q, key_verify, tree, temperature=1.0)
+  first_node = np.asarray(path)[:, 1]
+  first = np.where(np.asarray(a) > 0, np.asarray(kids)[np.arange(copies), np.maximum(first_node - 1, 0)],
+                   np.asarray(nxt))
+  return np.bincount(first, minlength=v), p_N1xV[0], np.asarray(a)
+
+
+def test_tree_sampling_rule_emits_the_target_distribution(monkeypatch):
+  """The first token out of a tree verification is distributed as the target's root distribution,
+  with every accepted depth exercised; dropping the residual update after a rejected sibling is caught."""
+  counts, p, a = _tree_sampling_first_tokens(mtp_jax.verify_tree_sampling)
+  assert _chi2_pvalue(counts, p) > 1e-3
+  assert set(np.unique(a)) == {0, 1, 2}
+
+  # The residual left unchanged after a rejected sibling (and at the end): a biased rule.
+  monkeypatch.setattr(verify_lib, "_residual", lambda r_BxV, q_BxV: r_BxV)
+  counts, p, _ = _tree_sampling_first_tokens(verify_lib.verify_tree_sampling)
+  assert _chi2_pvalue(counts, p) < 1e-6
+
+
+def test_tree_grammar_masks_per_node():
+  """Greedy constrained tree decoding equals greedy constrained plain decoding. Under (ab){3,6}
+  every draft is forced: masking each node with the state after its path gets them accepted,
+  masking all with the root's state ("first") or none does not; the output is the same."""
+  base = mtp_jax.generate(GT, None, GPROMPTS, MAX_NEW, eos_token_id=EOS, grammar=G)
+  out = mtp_jax.generate(GT, GP, GPROMPTS, MAX_NEW, eos_token_id=EOS, grammar=G, tree=TreeSpec((2, 2, 1)))
+  assert out.tokens == base.tokens
+  _assert_matches(out.tokens)
+  g = grammar.from_regex("(ab){3,6}", AB_VOCAB, eos_token_id=EOS)
+  outs = {mode: mtp_jax.generate(GT, GP, GPROMPTS, MAX_NEW, eos_token_id=EOS, grammar=g, tree=TreeSpec((2, 1, 1)),
+                                 draft_masks=mode) for mode in ("per_position", "first")}
+  assert outs["first"].tokens == outs["per_position"].tokens
+  assert outs["first"].stats["mean_accepted_length"] < outs["per_position"].stats["mean_accepted_length"]
+
+
+@pytest.mark.slow
+def test_tree_speculative_sampling_matches_target_distribution():
+  """3 tokens over a 3-token vocabulary (27 outcomes): tree speculative sampling draws the target's
+  joint distribution (with a grammar-free, unfiltered target)."""
+  v, n, copies = 3, 3, 6000
+  target, proposer = _models(v, seed=2)
+  prompt = [0, 1, 2, 1]
+  exact = _exact_joint(target, prompt, v, n)
+  keys = sorted(exact)
+  out = mtp_jax.generate(target, proposer, [prompt] * copies, n, temperature=1.0, seed=0, tree=TreeSpec((2, 2)))
+  counts = {}
+  for toks in out.tokens:
+    counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
+  assert _chi2_pvalue(np.array([counts.get(c, 0) for c in keys]), np.array([exact[c] for c in keys])) > 1e-3
+  assert out.stats["accepted_tokens"] > copies  # drafts were accepted, so the tree rule was exercised
