@@ -305,3 +305,17 @@ def test_tree_speculative_sampling_matches_target_distribution():
     counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
   assert _chi2_pvalue(np.array([counts.get(c, 0) for c in keys]), np.array([exact[c] for c in keys])) > 1e-3
   assert out.stats["accepted_tokens"] > copies  # drafts were accepted, so the tree rule was exercised
+
+
+def test_tree_propose_over_paged_caches_equals_contiguous():
+  """The node rows are never written, so a paged proposer state drafts the same trees."""
+  tree, rng = TreeSpec((2, 2, 1)), np.random.default_rng(5)
+  states = [mtp_jax.init_state(CFG, 2, 32), mtp_jax.init_state(CFG, 2, 32, page_size=8, num_pages=8)]
+  h, t = rng.normal(size=(2, 6, D)).astype(np.float32), rng.integers(0, V, size=(2, 6)).astype(np.int32)
+  n = np.array([6, 3], np.int32)
+  for _ in range(3):
+    outs = [mtp_jax.propose(MODEL, s, h, t, n, num_drafts=3, tree=tree) for s in states]
+    np.testing.assert_array_equal(outs[0][0].tokens, outs[1][0].tokens)
+    states = [mtp_jax.after_verify(s, np.array([2, 0], np.int32)) for _, s in outs]
+    h = rng.normal(size=(2, 6, D)).astype(np.float32)
+    t, n = rng.integers(0, V, size=(2, 6)).astype(np.int32), np.array([3, 1], np.int32)
