@@ -28,9 +28,9 @@ import numpy as np
 
 from mtp_jax import proposer as prop
 from mtp_jax import validate
-from mtp_jax.generate import (PROMPT_BUCKET, LoopState, _draft, _emit, _out_of_pages, _Settings, _split,
-                              _step_jit, _stop_out_of_pages, _validate)
-from mtp_jax.blocks.paged import check_paging
+from mtp_jax.generate import (PROMPT_BUCKET, LoopState, _budgeted, _draft, _emit, _out_of_pages, _pages_needed,
+                              _Settings, _split, _step_jit, _step_rows, _stop_out_of_pages, _validate, _with_budget)
+from mtp_jax.blocks.paged import budget_bucket, check_paging
 from mtp_jax.mtp import MtpModel
 from mtp_jax.sampling import sample
 from mtp_jax.target import TargetModel, init_target_state, reset_target_slots, target_step
@@ -72,12 +72,12 @@ def _empty_state(target, proposer, batch_size: int, cfg: _Settings, seed: int) -
   """A loop state whose slots are all free (done, no rows, no pages)."""
   k = cfg.num_drafts
   zeros = lambda: jnp.zeros((batch_size,), jnp.int32)  # a buffer each: the state is donated
-  pstate = None if proposer is None else prop.init_state(
+  pstate = None if proposer is None else _budgeted(prop.init_state(
       proposer.cfg, batch_size, cfg.max_len, keep_draft_probs=cfg.temperature > 0,
-      page_size=cfg.page_size, num_pages=cfg.num_pages)
+      page_size=cfg.page_size, num_pages=cfg.num_pages), cfg.page_budget)
   return LoopState(
-      target=init_target_state(target.cfg, batch_size, cfg.max_len, page_size=cfg.page_size,
-                               num_pages=cfg.num_pages),
+      target=_budgeted(init_target_state(target.cfg, batch_size, cfg.max_len, page_size=cfg.page_size,
+                                         num_pages=cfg.num_pages), cfg.page_budget),
       proposer=pstate, last=zeros(), drafts=jnp.zeros((batch_size, k), jnp.int32), grammar_state=None,
       out=jnp.zeros((batch_size, cfg.max_new_tokens + k + 1), jnp.int32), num_out=zeros(),
       done=jnp.ones((batch_size,), bool), key=jax.random.key(seed), target_calls=zeros(), verify_calls=zeros(),
@@ -152,7 +152,7 @@ class Engine:
     self.num_drafts, self.max_len, self.page_size, self.num_pages = k, max_len, page_size, num_pages
     # The device never stops a slot by count: the host cuts each request at its own max_new_tokens.
     self._cfg = _Settings(k, max_len, float(temperature), top_k, top_p, eos_token_id, None, max_len,
-                              "per_position", None, page_size, num_pages)
+                          "per_position", None, page_size, num_pages, page_budget=budget_bucket(0, num_pages))
     self._s = _empty_state(target, proposer, max_batch, self._cfg, seed)
     self._slots: list[int | None] = [None] * max_batch
     self._waiting: collections.deque[int] = collections.deque()
@@ -214,6 +214,7 @@ class Engine:
     self._admit_waiting()
     if not self.num_running:
       return {}
+    self._rebudget(_step_rows(self._s, self._cfg))
     self._s = _step_jit(self.target, self.proposer, None, self._s, self._cfg)
     return self._collect()
 
@@ -251,7 +252,15 @@ class Engine:
     admit_B = np.zeros((b,), bool)
     for r in admitted:
       prompts_BxT[r.slot, :len(r.prompt)], lens_B[r.slot], admit_B[r.slot] = r.prompt, len(r.prompt), True
+    self._rebudget(lens_B)
     self._s = _admit(self.target, self.proposer, self._s, prompts_BxT, lens_B, admit_B, self._cfg)
+
+  def _rebudget(self, num_new_B) -> None:
+    """Sets the page budget of the next call, which adds num_new_B rows (int32[B]) per slot: it
+    follows the pages in flight up and down (one compile per budget, reused when it comes back)."""
+    budget = budget_bucket(int(_pages_needed(self._s, num_new_B)), self.num_pages)
+    if budget != self._cfg.page_budget:
+      self._s, self._cfg = _with_budget(self._s, self._cfg, budget)
 
   def _collect(self) -> dict[int, list[int]]:
     s = self._s

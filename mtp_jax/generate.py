@@ -24,7 +24,7 @@ import numpy as np
 from mtp_jax import grammar as grammar_lib
 from mtp_jax import proposer as prop
 from mtp_jax import sharding, validate
-from mtp_jax.blocks.paged import check_paging
+from mtp_jax.blocks.paged import budget_bucket, check_paging
 from mtp_jax.mtp import MtpModel
 from mtp_jax.sampling import sample
 from mtp_jax.target import TargetModel, TargetState, compact_target, init_target_state, target_step, trim_target
@@ -85,6 +85,9 @@ class _Settings:
   page_size: int | None = None
   num_pages: int | None = None
   tree: TreeSpec | None = None
+  # Paged: the pages attention reads per call (blocks/paged.py), carried by the states' `Pages`
+  # too (`_with_budget` sets both); raised by the host between jitted chunks, as max_len is.
+  page_budget: int | None = None
 
 
 def _rows_per_step(cfg: _Settings) -> int:
@@ -145,7 +148,8 @@ def _split(key, cfg: _Settings):
 def _start(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key, cfg: _Settings) -> LoopState:
   b, t = prompts_BxT.shape
   k = cfg.num_drafts
-  tstate = init_target_state(target.cfg, b, cfg.max_len, page_size=cfg.page_size, num_pages=cfg.num_pages)
+  tstate = _budgeted(init_target_state(target.cfg, b, cfg.max_len, page_size=cfg.page_size,
+                                       num_pages=cfg.num_pages), cfg.page_budget)
   if cfg.mesh is not None:
     tstate = sharding.shard_state(tstate, cfg.mesh)
   logits, hid, tstate = target_step(target, tstate, prompts_BxT, lens_B)
@@ -164,8 +168,8 @@ def _start(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key, cfg: _
   s, _ = _emit(s, first_B[:, None], one, cfg, ~_out_of_pages(tstate, None))
   if proposer is None:
     return _stop_out_of_pages(s)
-  pstate = prop.init_state(proposer.cfg, b, cfg.max_len, keep_draft_probs=cfg.temperature > 0,
-                           page_size=cfg.page_size, num_pages=cfg.num_pages)
+  pstate = _budgeted(prop.init_state(proposer.cfg, b, cfg.max_len, keep_draft_probs=cfg.temperature > 0,
+                                     page_size=cfg.page_size, num_pages=cfg.num_pages), cfg.page_budget)
   if cfg.mesh is not None:
     pstate = sharding.shard_state(pstate, cfg.mesh)
   # Position j's token is t_{j+1}: the prompt shifted left, with the first generated token at the end.
@@ -173,6 +177,33 @@ def _start(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key, cfg: _
   tokens = tokens.at[jnp.arange(b), lens_B - 1].set(first_B)
   drafts, pstate = _draft(proposer, grammar, pstate, hid, tokens, lens_B, gstate_B, k_draft, cfg)
   return _stop_out_of_pages(_with_drafts(s, pstate, drafts))
+
+
+def _budgeted(state, budget: int | None):
+  """A target or proposer state whose calls read `budget` pages (unchanged when contiguous)."""
+  return state if state.pages is None else state.set(pages=state.pages.with_budget(budget))
+
+
+def _with_budget(s: LoopState, cfg: _Settings, budget: int) -> tuple[LoopState, _Settings]:
+  """s and cfg with the page budget `budget` (a new value compiles the step anew)."""
+  s = s.set(target=_budgeted(s.target, budget),
+            proposer=None if s.proposer is None else _budgeted(s.proposer, budget))
+  return s, dataclasses.replace(cfg, page_budget=budget)
+
+
+@jax.jit
+def _pages_needed(s: LoopState, num_new_B) -> jax.Array:
+  """int32[]: pages a call adding num_new_B rows (int32[B]) per slot holds at most, in the target's
+  or the proposer's pool (their rows differ by a few), i.e. the page budget it needs."""
+  need = s.target.pages.pages_after(s.target.length + num_new_B)
+  if s.proposer is not None:
+    need = jnp.maximum(need, s.proposer.pages.pages_after(s.proposer.num_pos + num_new_B))
+  return need
+
+
+def _step_rows(s: LoopState, cfg: _Settings) -> jax.Array:
+  """int32[B]: rows the next step adds at most per slot (its rows for unfinished ones)."""
+  return jnp.where(s.done, 0, _rows_per_step(cfg))
 
 
 def _out_of_pages(tstate: TargetState, pstate: prop.ProposerState | None) -> jax.Array:
@@ -261,12 +292,17 @@ def _out_width(cfg: _Settings) -> int:
 
 
 def _fits(s: LoopState, cfg: _Settings) -> jax.Array:
-  """bool[]: every unfinished sequence has room for one more step (its rows) in the caches."""
-  return jnp.all(s.done | (s.target.length + _rows_per_step(cfg) <= cfg.max_len))
+  """bool[]: every unfinished sequence has room for one more step (its rows) in the caches,
+  and paged, the pages the step may hold are within the page budget."""
+  fits = jnp.all(s.done | (s.target.length + _rows_per_step(cfg) <= cfg.max_len))
+  if cfg.page_size is not None:
+    fits &= _pages_needed(s, _step_rows(s, cfg)) <= cfg.page_budget
+  return fits
 
 
 def _run(target, proposer, grammar, s: LoopState, cfg: _Settings) -> LoopState:
-  """Steps until every sequence is done or one would outgrow the caches (then the host grows them)."""
+  """Steps until every sequence is done or one would outgrow the caches or the page budget (then
+  the host grows them)."""
   return jax.lax.while_loop(lambda s: ~jnp.all(s.done) & _fits(s, cfg),
                             lambda s: _step(target, proposer, grammar, s, cfg), s)
 
@@ -282,8 +318,14 @@ _run_jit = jax.jit(_run, static_argnames=("cfg",), donate_argnames=("s",))
 
 
 def _grow(s: LoopState, cfg: _Settings, full_len: int) -> tuple[LoopState, _Settings]:
-  """s with caches of twice the rows (at most full_len) and a wider output buffer; cached rows and
-  tokens are kept. Every cache array holds rows on axis 1 (see blocks/cache.py)."""
+  """s with room for the next step. Contiguous: caches of twice the rows (at most full_len) and a
+  wider output buffer; cached rows and tokens are kept. Every cache array holds rows on axis 1
+  (see blocks/cache.py). Paged: the page budget of the pages the next step may hold."""
+  if cfg.page_size is not None:  # paged caches always hold full_len rows: only the budget grows
+    budget = budget_bucket(int(_pages_needed(s, _step_rows(s, cfg))), cfg.num_pages)
+    if budget <= cfg.page_budget:
+      raise RuntimeError(f"generate: a page budget of {cfg.page_budget} pages is full; this is a bug")
+    return _with_budget(s, cfg, budget)
   if cfg.max_len >= full_len:  # full_len rows hold every step (generate checks max_len against it)
     raise RuntimeError(f"generate: caches of {cfg.max_len} rows are full; this is a bug")
   new = dataclasses.replace(cfg, max_len=min(2 * cfg.max_len, full_len))
@@ -503,8 +545,12 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
   else:  # paged caches are sized by their pool and never grown: the capacity is the whole max_len
     full_len, num_pages = _paging(max_len, full_len, page_size, num_pages, len(prompts), mesh)
     capacity = full_len
+  budget = None
+  if page_size is not None:  # the prefill and the first step; raised as sequences grow
+    first = np.minimum(-(-(lens + step_rows) // page_size), full_len // page_size)
+    budget = budget_bucket(int(first.sum()), num_pages)
   cfg = _Settings(k, max_new_tokens, a["temperature"], a["top_k"], a["top_p"], a["eos_token_id"], a["relaxed"],
-                  capacity, draft_masks, mesh, page_size, num_pages, tree)
+                  capacity, draft_masks, mesh, page_size, num_pages, tree, budget)
   gstate_B = None
   if grammar is not None:
     gstate_B = grammar_lib.init_grammar_state(

@@ -8,9 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mtp_jax
-from mtp_jax.blocks.paged import Pages
+from mtp_jax.blocks.attention import attention_probs, causal_mask, readable_rows
+from mtp_jax.blocks.paged import Pages, PagedKVCache, budget_bucket
 
-from test_generate import PROMPTS5, PROPOSER5, TARGET5
+from test_generate import PROMPTS5, PROPOSER5, TARGET5, gen_lib
 from test_proposer import CFG, K, MAX_LEN, MODEL, Sim
 
 PAGE = 8
@@ -83,7 +84,7 @@ def test_allocator_refuses_writes_past_its_pages_and_touches_no_other_slot():
   np.testing.assert_array_equal(np.asarray(pages.oom), [True, False])
   np.testing.assert_array_equal(np.asarray(pages.used), [2, 2])
   assert int(pages.num_free) == 1
-  cache = mtp_jax.blocks.paged.PagedKVCache.zeros(CFG, pages).with_table(pages.table)
+  cache = mtp_jax.blocks.paged.PagedKVCache.zeros(CFG, pages).bound(pages)
   rows = jnp.arange(32)[None].repeat(2, 0)
   ones = jnp.ones((2, 32, CFG.num_kv_heads, CFG.head_dim))
   new, (k_view, _), key_rows = cache.update(rows, rows < jnp.array([[32], [0]]), ones, ones)
@@ -108,6 +109,53 @@ def test_generate_paged_equals_contiguous_and_stops_sequences_out_of_pages():
   assert 0 < len(stopped) < len(PROMPTS5)
   for i, (got, want) in enumerate(zip(short.tokens, flat.tokens)):
     assert got == want if i not in stopped else (len(got) < len(want) and got == want[:len(got)])
+
+
+@pytest.mark.parametrize("window, sinks", [(None, False), (5, True)])
+def test_attend_over_the_pages_in_use_equals_the_dense_view(window, sinks):
+  """Slots holding 2, 0 and 3 pages of a shuffled pool whose other rows hold NaN, read with a
+  budget of exactly the 5 pages in use and with padding: attention.py's dense softmax over the
+  [B, max_len] view, and no NaN."""
+  b, t, hkv, g, dh, ps = 3, 4, 2, 2, 8, 4
+  rng = np.random.default_rng(0)
+  pages = Pages.create(b, 16, ps, 9)
+  pages = pages.ensure(jnp.array([8, 0, 12]))
+  pool = rng.normal(size=(9, ps, hkv, dh)).astype(np.float32)
+  rows = np.array([[4, 5, 6, 7], [0, 1, 2, 3], [8, 9, 10, 11]], np.int32)
+  valid = np.array([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool)  # slot 0's row 7 is stale
+  held = np.asarray(pages.table)[[0, 0, 2, 2, 2], [0, 1, 0, 1, 2]]
+  pool[np.setdiff1d(np.arange(9), held)] = np.nan
+  q = jnp.asarray(rng.normal(size=(b, t, hkv, g, dh)), jnp.float32)
+  kv = jnp.asarray(rng.normal(size=(2, b, t, hkv, dh)), jnp.float32)
+  sinks_KxG = jnp.asarray(rng.normal(size=(hkv, g)), jnp.float32) if sinks else None
+  cache = PagedKVCache(jnp.asarray(pool), jnp.asarray(pool), None, 4)
+  _, (k_view, v_view), key_rows = cache.bound(pages).update(rows, valid, kv[0], kv[1])
+  scores = jnp.einsum("btkgd,bskd->bkgts", q, k_view) * dh**-0.5
+  probs = attention_probs(scores, causal_mask(rows, key_rows, window=window), sinks_KxG=sinks_KxG)
+  want = jnp.einsum("bkgts,bskd->btkgd", probs, readable_rows(v_view, rows, valid, key_rows))
+  for budget in (5, 8):
+    written = cache.bound(pages.with_budget(budget)).write(rows, valid, kv[0], kv[1])
+    got = np.asarray(written.attend(q, rows, valid, window=window, sinks_KxG=sinks_KxG))
+    ok = valid[:, :, None, None, None]  # invalid queries' outputs are never used
+    np.testing.assert_allclose(np.where(ok, got, 0), np.where(ok, np.asarray(want), 0), rtol=1e-5, atol=1e-6)
+    assert np.isfinite(got).all()
+
+
+def test_budget_buckets():
+  assert [budget_bucket(n, 1000) for n in (0, 16, 17, 25, 33, 49, 65, 97)] == [16, 16, 24, 32, 48, 64, 96, 128]
+  assert budget_bucket(200, 150) == 150 and budget_bucket(3, 10) == 10
+
+
+def test_generate_paged_with_very_mixed_lengths_raises_its_budget_mid_run(monkeypatch):
+  """Pages of 4 rows: the budget starts at 16 pages and is raised as the sequences grow."""
+  prompts = [[1], [4, 0, 1, 2, 3, 4, 0, 1] * 5, [3, 2]]
+  flat = mtp_jax.generate(TARGET5, PROPOSER5, prompts, 10, num_drafts=K)
+  budgets = []
+  with_budget = gen_lib._with_budget
+  monkeypatch.setattr(gen_lib, "_with_budget", lambda s, cfg, n: budgets.append(n) or with_budget(s, cfg, n))
+  paged = mtp_jax.generate(TARGET5, PROPOSER5, prompts, 10, num_drafts=K, page_size=4)
+  assert paged.tokens == flat.tokens and paged.stats == dict(flat.stats, out_of_pages=[])
+  assert budgets == [24]
 
 
 class TestErrors:

@@ -15,6 +15,7 @@ from flax import nnx
 from mtp_jax.blocks import cache as cache_lib
 from mtp_jax.blocks.linear import Linear
 from mtp_jax.blocks.norms import RMSNorm
+from mtp_jax.blocks.paged import PagedKVCache
 from mtp_jax.blocks.rope import apply_rope, inv_frequencies
 from mtp_jax.config import BlockConfig
 
@@ -108,7 +109,8 @@ def attended_keys(cache, rows_BxT, valid_BxT, entries, *, value: int, window: in
 
 
 class Attention(nnx.Module):
-  """Causal GQA self-attention with RoPE; caches k, v dtype[B, L, Hkv, Dh] (`KVCache`)."""
+  """Causal GQA self-attention with RoPE; caches k, v dtype[B, L, Hkv, Dh] (`KVCache`) or pages of
+  them (`PagedKVCache`, which attends over the pages in use itself)."""
 
   def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs):
     d, h, hkv, dh, dt = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype
@@ -152,14 +154,18 @@ class Attention(nnx.Module):
     q, k = (apply_rope(a, pos_BxT, self.inv_freq, interleave=self.interleave,
                        attention_factor=self.rope_factor) for a in (q, k))
     v = self.v_proj(x_BxTxD).reshape(b, t, hkv, dh)
-    new_cache, (k_BxSxKxDh, v_BxSxKxDh), mask_BxTxS = attended_keys(cache, rows_BxT, valid_BxT, (k, v), value=1,
-                                                                    window=self.window, tree=tree)
     q = q.reshape(b, t, hkv, g, dh)
-    scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BxSxKxDh.astype(q.dtype),
-                        preferred_element_type=jnp.float32) * dh**-0.5
     sinks = None if self.sinks is None else self.sinks[...].reshape(hkv, g)
-    probs = attention_probs(scores, mask_BxTxS, sinks_KxG=sinks)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_BxSxKxDh.dtype), v_BxSxKxDh)
+    if isinstance(cache, PagedKVCache) and tree is None:  # reads only the pages in use, not a [B, max_len] view
+      new_cache = cache.write(rows_BxT, valid_BxT, k, v)
+      out = new_cache.attend(q, rows_BxT, valid_BxT, window=self.window, sinks_KxG=sinks)
+    else:
+      new_cache, (k_BxSxKxDh, v_BxSxKxDh), mask_BxTxS = attended_keys(cache, rows_BxT, valid_BxT, (k, v), value=1,
+                                                                      window=self.window, tree=tree)
+      scores = jnp.einsum("btkgd,bskd->bkgts", q, k_BxSxKxDh.astype(q.dtype),
+                          preferred_element_type=jnp.float32) * dh**-0.5
+      probs = attention_probs(scores, mask_BxTxS, sinks_KxG=sinks)
+      out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_BxSxKxDh.dtype), v_BxSxKxDh)
     out = out.reshape(b, t, hkv * g, dh).astype(x_BxTxD.dtype)
     if self.gated:
       out = out * jax.nn.sigmoid(gate_BxTxHxDh)

@@ -13,6 +13,13 @@ all device arrays, so `ensure` / `release` / `reset` are pure jittable functions
 trip). A slot that cannot get the pages it asks for gets none of them and is flagged in
 `Pages.oom`; its writes beyond its pages are dropped (sent to the out-of-range page id
 `num_pages`), never wrapped into another slot's pages.
+
+Attention reads only the pages in use (`PagedKVCache.attend`): the held pages of all slots,
+flattened into one list of `budget` pages with their owner slot, each scored against its
+owner's queries, with the softmax taken across one owner's pages by segment max / sum. The
+budget is static (one compile per value): the host picks it with `budget_bucket` from the
+pages the next call can hold (`Pages.pages_after`), so the rows read per step follow the rows
+in use, not B x max_len.
 """
 
 from __future__ import annotations
@@ -52,6 +59,19 @@ def _exclusive_cumsum(x_B):
   return jnp.cumsum(x_B) - x_B
 
 
+MIN_BUDGET = 16  # the smallest page budget: tiny calls share one compile
+
+
+def budget_bucket(pages_needed: int, num_pages: int) -> int:
+  """The page budget for calls that hold at most pages_needed pages: the next of 16, 24, 32, 48,
+  64, 96, .. (powers of two and 1.5 times them: at most 1.5x the pages in use, two compiles per
+  doubling), never above num_pages (which always suffices)."""
+  budget = MIN_BUDGET
+  while budget < pages_needed:
+    budget = budget * 3 // 2 if budget & (budget - 1) == 0 else budget * 4 // 3
+  return min(budget, num_pages)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Pages:
@@ -60,7 +80,10 @@ class Pages:
   table: int32[B, max_pages], the page holding rows p * page_size.. of slot b, or num_pages
     where the slot holds no page; used: int32[B], pages slot b holds (always table[b, :used]);
   free: int32[num_pages], a stack of free page ids, free[:num_free]; num_free: int32[];
-  oom: bool[B], a request of the slot could not be met (sticky until the slot is reset).
+  oom: bool[B], a request of the slot could not be met (sticky until the slot is reset);
+  budget: static int, the pages attention reads per call (see `attend`); it must be at least
+    the pages held during the call: num_pages (the default) always is; the serving loops pick
+    a smaller one per call (`with_budget`, `pages_after`, `budget_bucket`).
   """
 
   table: jax.Array
@@ -69,6 +92,7 @@ class Pages:
   num_free: jax.Array
   oom: jax.Array
   page_size: int = dataclasses.field(metadata=dict(static=True))
+  budget: int = dataclasses.field(metadata=dict(static=True))
 
   @classmethod
   def create(cls, batch_size: int, max_len: int, page_size: int, num_pages: int) -> "Pages":
@@ -78,11 +102,22 @@ class Pages:
                # Popped from the end: pages 0, 1, .. go out first.
                free=jnp.arange(num_pages - 1, -1, -1, dtype=jnp.int32),
                num_free=jnp.asarray(num_pages, jnp.int32), oom=jnp.zeros((batch_size,), bool),
-               page_size=page_size)
+               page_size=page_size, budget=num_pages)
 
   @property
   def num_pages(self) -> int:
     return self.free.shape[0]
+
+  def with_budget(self, budget: int) -> "Pages":
+    """The same allocator whose calls read `budget` pages (1..num_pages; a new static value compiles anew)."""
+    return dataclasses.replace(self, budget=validate.integer("budget", budget, 1, self.num_pages))
+
+  def pages_after(self, num_rows_B) -> jax.Array:
+    """int32[]: pages held in all once each slot holds rows 0..num_rows_B[b]-1 (int32[B]), never
+    fewer than it holds now nor more than the pool: an upper bound on the pages a call that
+    writes those rows holds (slots refused pages hold fewer)."""
+    want_B = jnp.minimum(-(-num_rows_B // self.page_size), self.table.shape[1])
+    return jnp.minimum(jnp.sum(jnp.maximum(want_B, self.used)), self.num_pages)
 
   def ensure(self, num_rows_B) -> "Pages":
     """Gives each slot the pages for rows 0..num_rows_B[b]-1 (int32[B]).
@@ -129,12 +164,15 @@ class Pages:
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache:
   """One GQA layer's paged cache: pools k, v dtype[num_pages, page_size, Hkv, Dh], and while
-  bound for a call, its model's page table int32[B, max_pages] (None in a stored state)."""
+  bound for a call (`bind`), its model's page table int32[B, max_pages], pages held int32[B]
+  and page budget (None in a stored state)."""
 
   k: jax.Array
   v: jax.Array
   table: jax.Array | None
   max_pages: int = dataclasses.field(metadata=dict(static=True))
+  used: jax.Array | None = None
+  budget: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @classmethod
   def zeros(cls, cfg: BlockConfig, pages: Pages, dtype=None) -> "PagedKVCache":
@@ -150,8 +188,11 @@ class PagedKVCache:
   def max_len(self) -> int:
     return self.max_pages * self.page_size
 
-  def with_table(self, table) -> "PagedKVCache":
-    return dataclasses.replace(self, table=table)
+  def bound(self, pages: Pages | None) -> "PagedKVCache":
+    """This cache with pages' table, held pages and budget for a call (None: stored, unbound)."""
+    if pages is None:
+      return dataclasses.replace(self, table=None, used=None, budget=None)
+    return dataclasses.replace(self, table=pages.table, used=pages.used, budget=pages.budget)
 
   def _addresses(self, rows_BxT, valid_BxT):
     """(page int32[B, T], offset int32[B, T]) of each row; page num_pages (dropped) where invalid."""
@@ -161,23 +202,85 @@ class PagedKVCache:
     page_BxT = jnp.take_along_axis(self.table, jnp.clip(p_BxT, 0, self.table.shape[1] - 1), axis=1)
     return jnp.where(in_table_BxT, page_BxT, num_pages), rows_BxT % ps
 
-  def update(self, rows_BxT, valid_BxT, k_BxTxKxDh, v_BxTxKxDh):
-    """Writes k, v dtype[B, T, Hkv, Dh] at their rows' pages (dropped where the slot holds no page).
-
-    Returns (new cache, (k, v dtype[B, L, Hkv, Dh]) gathered through the table, int32[B, L]):
-    keys of pages the slot does not hold carry NO_ROW.
-    """
+  def write(self, rows_BxT, valid_BxT, k_BxTxKxDh, v_BxTxKxDh) -> "PagedKVCache":
+    """Writes k, v dtype[B, T, Hkv, Dh] at their rows' pages (dropped where the slot holds no page)."""
     if self.table is None:
       raise ValueError("a PagedKVCache needs its page table: bind it first (blocks.paged.bind)")
     page_BxT, off_BxT = self._addresses(rows_BxT, valid_BxT)
     write = lambda pool, x: pool.at[page_BxT, off_BxT].set(x.astype(pool.dtype), mode="drop")
-    new = dataclasses.replace(self, k=write(self.k, k_BxTxKxDh), v=write(self.v, v_BxTxKxDh))
+    return dataclasses.replace(self, k=write(self.k, k_BxTxKxDh), v=write(self.v, v_BxTxKxDh))
+
+  def update(self, rows_BxT, valid_BxT, k_BxTxKxDh, v_BxTxKxDh):
+    """The cache contract of cache.py: `write`, then every column of the table as a dense view.
+
+    Returns (new cache, (k, v dtype[B, L, Hkv, Dh]) gathered through the table, int32[B, L]):
+    keys of pages the slot does not hold carry NO_ROW. Reads B x max_len rows; sequence
+    attention uses `attend`, which reads only the pages in use.
+    """
+    new = self.write(rows_BxT, valid_BxT, k_BxTxKxDh, v_BxTxKxDh)
     b, max_pages = self.table.shape
     gather = lambda pool: jnp.take(pool, self.table, axis=0, mode="clip").reshape(
         b, max_pages * self.page_size, *pool.shape[2:])
     rows_BxL = jnp.broadcast_to(jnp.arange(self.max_len, dtype=jnp.int32), (b, self.max_len))
     held_BxL = jnp.repeat(self.table < self.k.shape[0], self.page_size, axis=1)
     return new, (gather(new.k), gather(new.v)), jnp.where(held_BxL, rows_BxL, NO_ROW)
+
+  def page_list(self):
+    """The held pages of all slots, flattened: (owner int32[U], first row int32[U], page int32[U])
+    with U = budget. Entry u is page table[owner, col] holding rows col * page_size..; entries
+    past the pages in use have owner B (dropped by the segment sums) and page num_pages."""
+    b, max_pages = self.table.shape
+    if self.budget is None:
+      raise ValueError("a PagedKVCache needs its page table: bind it first (blocks.paged.bind)")
+    end_B = jnp.cumsum(self.used)
+    u_U = jnp.arange(self.budget, dtype=jnp.int32)
+    owner_U = jnp.searchsorted(end_B, u_U, side="right").astype(jnp.int32)  # B past the last page
+    col_U = u_U - (end_B - self.used)[jnp.minimum(owner_U, b - 1)]
+    page_U = self.table[jnp.minimum(owner_U, b - 1), jnp.clip(col_U, 0, max_pages - 1)]
+    live_U = owner_U < b
+    return owner_U, jnp.where(live_U, col_U * self.page_size, 0), jnp.where(live_U, page_U, self.k.shape[0])
+
+  def attend(self, q_BxTxKxGxDh, rows_BxT, valid_BxT, *, window: int | None = None,
+             sinks_KxG: jax.Array | None = None) -> jax.Array:
+    """Causal GQA attention of the queries over the pages in use; returns dtype[B, T, Hkv, G, Dh].
+
+    The same softmax as attention.py's over a slot's rows (a query at row r sees keys at rows
+    r - window < row <= r), taken across the slot's pages: max and sum per page, then per owner
+    by segment max / sum. Rows no valid query may read (stale rows of held pages, padding
+    entries) are selected away from v, so NaN left in them cannot leak (as `readable_rows`).
+    Reads `budget` pages, however long the table.
+    """
+    b, t, hkv, g, dh = q_BxTxKxGxDh.shape
+    owner_U, first_U, page_U = self.page_list()
+    own_U = jnp.minimum(owner_U, b - 1)
+    k_UxPxKxDh = jnp.take(self.k, page_U, axis=0, mode="clip")
+    v_UxPxKxDh = jnp.take(self.v, page_U, axis=0, mode="clip")
+    key_rows_UxP = first_U[:, None] + jnp.arange(self.page_size, dtype=jnp.int32)[None]
+    key_rows_UxP = jnp.where((owner_U < b)[:, None], key_rows_UxP, NO_ROW)
+    q_rows_UxT = rows_BxT[own_U]
+    mask_UxTxP = key_rows_UxP[:, None] <= q_rows_UxT[:, :, None]
+    if window is not None:
+      mask_UxTxP &= key_rows_UxP[:, None] > q_rows_UxT[:, :, None] - window
+    q = q_BxTxKxGxDh[own_U]
+    scores = jnp.einsum("utkgd,upkd->ukgtp", q, k_UxPxKxDh.astype(q.dtype),
+                        preferred_element_type=jnp.float32) * dh**-0.5
+    scores = jnp.where(mask_UxTxP[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    # Empty segments (slots holding no page) give -inf: floored so that every exponent is finite.
+    top_BxKxGxT = jnp.maximum(jax.ops.segment_max(jnp.max(scores, axis=-1), owner_U, num_segments=b),
+                              jnp.finfo(jnp.float32).min)
+    if sinks_KxG is not None:
+      sink = sinks_KxG.astype(jnp.float32)[None, :, :, None]
+      top_BxKxGxT = jnp.maximum(top_BxKxGxT, sink)
+    e = jnp.exp(scores - top_BxKxGxT[own_U][..., None])
+    denom_BxKxGxT = jax.ops.segment_sum(jnp.sum(e, axis=-1), owner_U, num_segments=b)
+    if sinks_KxG is not None:
+      denom_BxKxGxT = denom_BxKxGxT + jnp.exp(sink - top_BxKxGxT)
+    probs = e / jnp.where(denom_BxKxGxT > 0, denom_BxKxGxT, 1.0)[own_U][..., None]
+    newest_B = jnp.max(jnp.where(valid_BxT, rows_BxT, -1), axis=1)
+    readable_UxP = key_rows_UxP <= newest_B[own_U][:, None]
+    v_UxPxKxDh = jnp.where(readable_UxP[:, :, None, None], v_UxPxKxDh, jnp.zeros((), v_UxPxKxDh.dtype))
+    out_U = jnp.einsum("ukgtp,upkd->utkgd", probs.astype(v_UxPxKxDh.dtype), v_UxPxKxDh)
+    return jax.ops.segment_sum(out_U, owner_U, num_segments=b)
 
   def partition_specs(self, batch_axis, model_axis, model_size: int) -> "PagedKVCache":
     """PartitionSpecs: pools' Hkv on model_axis when it divides by model_size; pages are shared
@@ -195,10 +298,10 @@ def paged_cache(cfg: BlockConfig, pages: Pages, dtype=None) -> PagedKVCache:
 
 
 def bind(caches: tuple[PagedKVCache, ...], pages: Pages) -> tuple[PagedKVCache, ...]:
-  """Every cache with the allocator's current table, for one model call."""
-  return tuple(c.with_table(pages.table) for c in caches)
+  """Every cache with the allocator's current table, held pages and budget, for one model call."""
+  return tuple(c.bound(pages) for c in caches)
 
 
 def unbind(caches: tuple[PagedKVCache, ...]) -> tuple[PagedKVCache, ...]:
   """The caches without their table again, as a state stores them."""
-  return tuple(c.with_table(None) for c in caches)
+  return tuple(c.bound(None) for c in caches)
