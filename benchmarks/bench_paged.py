@@ -1,9 +1,13 @@
-"""Paged vs contiguous KV caches: the generate decode step's time and the caches' memory.
+"""Paged vs contiguous KV caches: K/V bytes attention reads per decode step, step time, cache memory.
 
 Both layouts run the same `generate` step (target verify + accept + propose) from the same
-prompts with mixed lengths; the paged pool holds only the pages those sequences can reach
-(prompt + the timed steps), the contiguous caches B x max_len rows each. Before timing, the two
-layouts' emitted tokens must agree. Run: python benchmarks/bench_paged.py [--quick].
+prompts with mixed lengths. Contiguous caches hold B x max_len rows and every attention call
+reads all of them. The paged pool holds half of that (as a server sizes a pool for mixed
+lengths; more if the sequences need it) and attention reads the page budget: the pages the
+timed steps hold, rounded up to a bucket (`blocks.paged.budget_bucket`), as `generate` picks
+it. Bytes read are counted from the shapes attention gathers: per call, rows x Hkv x Dh x 2
+(k and v) x itemsize, over the target's layers and the k modules that draft. Before timing,
+the two layouts' emitted tokens must agree. Run: python benchmarks/bench_paged.py [--quick].
 """
 
 from __future__ import annotations
@@ -28,10 +32,10 @@ gen = importlib.import_module("mtp_jax.generate")
 K = 3
 FULL = dict(sizes=dict(vocab_size=258, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
                        intermediate_size=704), num_layers=4, batches=(8, 32), lengths=(64, 2048),
-            max_len=2304, page_size=64, steps=16, reps=3)
+            max_len=2304, page_size=64, steps=16)
 QUICK = dict(sizes=dict(vocab_size=64, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
                         intermediate_size=128), num_layers=2, batches=(2,), lengths=(8, 96),
-             max_len=128, page_size=16, steps=4, reps=1)
+             max_len=128, page_size=16, steps=4)
 
 
 def _bytes(tree) -> int:
@@ -43,7 +47,7 @@ def _cache_bytes(s) -> int:
 
 
 def _run(target, proposer, prompts, cfg, steps):
-  """(seconds per step, list of per-step times, emitted tokens, cache bytes) over `steps` steps."""
+  """(per-step seconds, emitted tokens, their counts, cache bytes, target rows in use) over `steps` steps."""
   b = len(prompts)
   t = -(-max(len(p) for p in prompts) // gen.PROMPT_BUCKET) * gen.PROMPT_BUCKET
   prompts_BxT = np.zeros((b, t), np.int32)
@@ -57,42 +61,50 @@ def _run(target, proposer, prompts, cfg, steps):
     t0 = time.perf_counter()
     s = jax.block_until_ready(gen._step_jit(target, proposer, None, s, cfg))
     times.append(time.perf_counter() - t0)
-  return times, np.asarray(s.out), np.asarray(s.num_out), _cache_bytes(s)
+  return np.array(times), np.asarray(s.out), np.asarray(s.num_out), _cache_bytes(s), int(np.sum(s.target.length))
 
 
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--quick", action="store_true", help="tiny sizes, one rep (a smoke run)")
+  ap.add_argument("--quick", action="store_true", help="tiny sizes, few steps (a smoke run)")
   opts = QUICK if ap.parse_args(argv).quick else FULL
   common = opts["sizes"]
   target = mtp_jax.init_target(mtp_jax.TargetConfig(num_layers=opts["num_layers"], **common), 0)
   proposer = mtp_jax.init_mtp(mtp_jax.MtpConfig(num_modules=K, **common), 1)
   max_len, ps, steps = opts["max_len"], opts["page_size"], opts["steps"]
+  # K/V bytes of one cache row, over every attention call of a step (target layers + k drafting modules).
+  row_bytes = 2 * common["num_kv_heads"] * common["head_dim"] * 4 * (opts["num_layers"] + K)
   print(f"# paged vs contiguous decode step ({jax.devices()[0].platform}, D={common['hidden_size']}, "
-        f"{opts['num_layers']} target layers, K=k={K}, max_len={max_len}, page_size={ps})\n")
-  print("| B | prompt lengths | layout | cache MB | step ms (median) | p10-p90 ms |")
-  print("|---|---|---|---|---|---|")
+        f"{opts['num_layers']} target layers, K=k={K}, float32, max_len={max_len}, page_size={ps}, "
+        f"{steps} timed steps)\n")
+  print("| B | prompt lengths | layout | rows in use | rows read per call | K/V MB read per step | "
+        "read vs contiguous | step ms (median) | p10-p90 ms | cache MB |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   rng = np.random.default_rng(0)
   for b in opts["batches"]:
     lo, hi = opts["lengths"]
     lens = np.sort(rng.integers(lo, hi + 1, size=b))
     prompts = [rng.integers(0, common["vocab_size"], size=n).tolist() for n in lens]
-    # Pages each sequence can reach: its prompt + every step's k + 1 rows (+ the step after).
-    reach = sum(-(-(int(n) + (steps + 2) * (K + 1)) // ps) for n in lens)
+    # Pages each sequence holds by the last timed step: its prompt + every step's k + 1 rows.
+    need = int(sum(-(-(int(n) + (steps + 2) * (K + 1)) // ps) for n in lens))
+    num_pages = max(b * (max_len // ps) // 2, need)
+    budget = mtp_jax.blocks.paged.budget_bucket(need, num_pages)
     settings = dict(num_drafts=K, max_new_tokens=max_len, temperature=0.0, top_k=None, top_p=None,
                     eos_token_id=None, relaxed=None, max_len=max_len, draft_masks="per_position")
-    rows, outs = [], []
-    for layout, extra in (("contiguous", {}), ("paged", dict(page_size=ps, num_pages=reach))):
-      cfg = gen._Settings(**settings, **extra)
-      per_rep = [_run(target, proposer, prompts, cfg, steps) for _ in range(opts["reps"])]
-      times = np.concatenate([r[0] for r in per_rep]) * 1e3
-      outs.append((per_rep[0][1], per_rep[0][2]))
-      rows.append(f"| {b} | {lo}..{hi} | {layout} | {per_rep[0][3] / 2**20:.1f} | {np.median(times):.2f} | "
-                  f"{np.percentile(times, 10):.2f}-{np.percentile(times, 90):.2f} |")
+    outs, base = [], None
+    for layout, extra, rows in (("contiguous", {}, b * max_len),
+                                ("paged", dict(page_size=ps, num_pages=num_pages, page_budget=budget), budget * ps)):
+      times, out, num_out, cache_bytes, in_use = _run(target, proposer, prompts, gen._Settings(**settings, **extra),
+                                                      steps)
+      outs.append((out, num_out))
+      base = base or rows
+      times = times * 1e3
+      print(f"| {b} | {lo}..{hi} | {layout} | {in_use} | {rows} | {rows * row_bytes / 2**20:.1f} | "
+            f"{rows / base:.2f}x | {np.median(times):.2f} | {np.percentile(times, 10):.2f}-"
+            f"{np.percentile(times, 90):.2f} | {cache_bytes / 2**20:.1f} |", flush=True)
     (out_a, n_a), (out_b, n_b) = outs
     assert (n_a == n_b).all() and all((out_a[i, :n] == out_b[i, :n]).all() for i, n in enumerate(n_a)), \
         "paged and contiguous emitted different tokens"
-    print("\n".join(rows))
 
 
 if __name__ == "__main__":

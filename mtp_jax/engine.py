@@ -26,10 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax import grammar as grammar_lib
 from mtp_jax import proposer as prop
 from mtp_jax import validate
-from mtp_jax.generate import (PROMPT_BUCKET, LoopState, _budgeted, _draft, _emit, _out_of_pages, _pages_needed,
-                              _Settings, _split, _step_jit, _step_rows, _stop_out_of_pages, _validate, _with_budget)
+from mtp_jax.generate import (PROMPT_BUCKET, LoopState, _budgeted, _draft, _emit, _masked, _out_of_pages,
+                              _pages_needed, _Settings, _split, _step_jit, _step_rows, _stop_out_of_pages,
+                              _validate, _with_budget)
 from mtp_jax.blocks.paged import budget_bucket, check_paging
 from mtp_jax.mtp import MtpModel
 from mtp_jax.sampling import sample
@@ -47,6 +49,7 @@ class Request:
   id: int
   prompt: list[int]
   max_new_tokens: int
+  constrained: bool = False
   tokens: list[int] = dataclasses.field(default_factory=list)
   status: str = "waiting"
   slot: int | None = None
@@ -68,8 +71,8 @@ class Request:
                 tokens_per_s=n / (end - self.arrived_at) if n else 0.0)
 
 
-def _empty_state(target, proposer, batch_size: int, cfg: _Settings, seed: int) -> LoopState:
-  """A loop state whose slots are all free (done, no rows, no pages)."""
+def _empty_state(target, proposer, grammar, batch_size: int, cfg: _Settings, seed: int) -> LoopState:
+  """A loop state whose slots are all free (done, no rows, no pages; grammar states FREE)."""
   k = cfg.num_drafts
   zeros = lambda: jnp.zeros((batch_size,), jnp.int32)  # a buffer each: the state is donated
   pstate = None if proposer is None else _budgeted(prop.init_state(
@@ -78,16 +81,18 @@ def _empty_state(target, proposer, batch_size: int, cfg: _Settings, seed: int) -
   return LoopState(
       target=_budgeted(init_target_state(target.cfg, batch_size, cfg.max_len, page_size=cfg.page_size,
                                          num_pages=cfg.num_pages), cfg.page_budget),
-      proposer=pstate, last=zeros(), drafts=jnp.zeros((batch_size, k), jnp.int32), grammar_state=None,
+      proposer=pstate, last=zeros(), drafts=jnp.zeros((batch_size, k), jnp.int32),
+      grammar_state=None if grammar is None else jnp.full((batch_size,), grammar_lib.FREE, jnp.int32),
       out=jnp.zeros((batch_size, cfg.max_new_tokens + k + 1), jnp.int32), num_out=zeros(),
       done=jnp.ones((batch_size,), bool), key=jax.random.key(seed), target_calls=zeros(), verify_calls=zeros(),
       accepted=zeros(), target_tokens=zeros(), accepted_at=jnp.zeros((k,), jnp.int32))
 
 
 @functools.partial(jax.jit, static_argnames=("cfg",), donate_argnames=("s",))
-def _admit(target, proposer, s: LoopState, prompts_BxT, lens_B, admit_B, cfg: _Settings):
+def _admit(target, proposer, grammar, s: LoopState, prompts_BxT, lens_B, admit_B, constrained_B, cfg: _Settings):
   """Prefills the slots where admit_B (bool[B]) with prompts_BxT (int32[B, T], lens_B long) as
-  `generate`'s start does; the other slots' rows, drafts and counters are unchanged."""
+  `generate`'s start does, under the grammar where constrained_B (bool[B]); the other slots'
+  rows, drafts, grammar states and counters are unchanged."""
   b = admit_B.shape[0]
   zero = lambda x: jnp.where(admit_B, 0, x)
   one = admit_B.astype(jnp.int32)
@@ -97,10 +102,16 @@ def _admit(target, proposer, s: LoopState, prompts_BxT, lens_B, admit_B, cfg: _S
   key, k_first, k_draft = _split(s.key, cfg)
   last_B = jnp.maximum(lens_B - 1, 0)
   last_logits = jnp.take_along_axis(logits, last_B[:, None, None], axis=1)[:, 0]
-  first_B, _ = sample(last_logits, k_first, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+  gstate_B = s.grammar_state
+  if grammar is not None:
+    gstate_B = jnp.where(admit_B, grammar_lib.init_grammar_state(b, constrained_B), gstate_B)
+  first_B, _ = sample(_masked(grammar, last_logits, gstate_B), k_first, temperature=cfg.temperature,
+                      top_k=cfg.top_k, top_p=cfg.top_p)
+  if grammar is not None:
+    gstate_B = jnp.where(admit_B, grammar_lib.advance(grammar, gstate_B, first_B), gstate_B)
   ok_B = admit_B & ~_out_of_pages(tstate, None)
   s, _ = _emit(s.set(target=tstate, key=key), first_B[:, None], one, cfg, ok_B)
-  s = s.set(last=jnp.where(admit_B, first_B, s.last))
+  s = s.set(last=jnp.where(admit_B, first_B, s.last), grammar_state=gstate_B)
   if proposer is None:
     return _stop_out_of_pages(s)
   old = s.proposer
@@ -108,7 +119,8 @@ def _admit(target, proposer, s: LoopState, prompts_BxT, lens_B, admit_B, cfg: _S
   pstate = old.set(num_drafted=jnp.where(admit_B, old.num_drafted, 0))
   tokens = jnp.concatenate([prompts_BxT[:, 1:], prompts_BxT[:, :1]], axis=1)
   tokens = tokens.at[jnp.arange(b), last_B].set(first_B)
-  drafts, pstate = _draft(proposer, None, pstate, hid, tokens, jnp.where(ok_B, lens_B, 0), None, k_draft, cfg)
+  drafts, pstate = _draft(proposer, grammar, pstate, hid, tokens, jnp.where(ok_B, lens_B, 0), gstate_B, k_draft,
+                          cfg)
   keep = lambda new, prev: jnp.where(admit_B.reshape((b,) + (1,) * (new.ndim - 1)), new, prev)
   pstate = pstate.set(num_drafted=keep(pstate.num_drafted, old.num_drafted),
                       draft_probs=None if old.draft_probs is None else keep(pstate.draft_probs, old.draft_probs))
@@ -134,26 +146,29 @@ class Engine:
     num_drafts, temperature, top_k, top_p, eos_token_id, seed: as for `generate`, shared by all
       requests (they are static settings of the jitted step). Greedy output per request equals
       `generate` on that request alone; sampling draws from the engine's one key stream.
+    grammar: a `mtp_jax.grammar.Grammar` for the requests added with constrained=True (by
+      default all of them, as `generate`'s constrained); needs eos_token_id equal to its own.
   """
 
   def __init__(self, target: TargetModel, proposer: MtpModel | None, *, max_batch: int = 8,
                max_len: int = 512, page_size: int = 16, num_pages: int | None = None,
                num_drafts: int | None = None, temperature: float = 0.0, top_k: int | None = None,
-               top_p: float | None = None, eos_token_id: int | None = None, seed: int = 0):
+               top_p: float | None = None, eos_token_id: int | None = None, seed: int = 0,
+               grammar: grammar_lib.Grammar | None = None):
     a = _validate(target, proposer, [[0]], 1, num_drafts, temperature, top_k, top_p, seed, eos_token_id,
-                  None, None, None, None, None, "per_position")
+                  None, None, None, grammar, None, "per_position")
     k, temperature, top_k, top_p, seed = a["k"], a["temperature"], a["top_k"], a["top_p"], a["seed"]
     max_batch = validate.positive_int("max_batch", max_batch)
     max_len = validate.integer("max_len", max_len, k + 2)
     page_size = validate.positive_int("page_size", page_size)
     num_pages = max_batch * (max_len // page_size) if num_pages is None else num_pages
     check_paging(max_len, page_size, num_pages)
-    self.target, self.proposer = target, proposer
+    self.target, self.proposer, self.grammar = target, proposer, grammar
     self.num_drafts, self.max_len, self.page_size, self.num_pages = k, max_len, page_size, num_pages
     # The device never stops a slot by count: the host cuts each request at its own max_new_tokens.
     self._cfg = _Settings(k, max_len, float(temperature), top_k, top_p, eos_token_id, None, max_len,
                           "per_position", None, page_size, num_pages, page_budget=budget_bucket(0, num_pages))
-    self._s = _empty_state(target, proposer, max_batch, self._cfg, seed)
+    self._s = _empty_state(target, proposer, grammar, max_batch, self._cfg, seed)
     self._slots: list[int | None] = [None] * max_batch
     self._waiting: collections.deque[int] = collections.deque()
     self._reserved = 0
@@ -162,8 +177,12 @@ class Engine:
 
   # -- requests --
 
-  def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
-    """Queues a request; returns its id. Raises ValueError naming the argument and the limit."""
+  def add_request(self, prompt: Sequence[int], max_new_tokens: int, *, constrained: bool | None = None) -> int:
+    """Queues a request; returns its id. Raises ValueError naming the argument and the limit.
+
+    constrained: decode under the engine's grammar (default: whenever the engine has one);
+      False decodes free of it, as `generate`'s constrained[i] = False.
+    """
     v = self.target.cfg.vocab_size
     prompt = [validate.integer("prompt", x) for x in prompt]
     if not prompt:
@@ -172,12 +191,15 @@ class Engine:
     if bad:
       raise validate.InvalidValue("prompt", f"prompt has token id(s) {bad[:5]} outside 0..vocab_size-1={v - 1}")
     max_new_tokens = validate.positive_int("max_new_tokens", max_new_tokens)
+    constrained = self.grammar is not None if constrained is None else validate.flag("constrained", constrained)
+    if constrained and self.grammar is None:
+      raise validate.InvalidValue("constrained", "constrained=True needs a grammar: pass Engine(..., grammar=...)")
     need = len(prompt) + max_new_tokens + self.num_drafts + 1
     if need > self.max_len:
       raise validate.InvalidValue("prompt", f"request too long for the engine: len(prompt)={len(prompt)} + "
                                   f"max_new_tokens={max_new_tokens} + k + 1 = {need} > max_len={self.max_len}")
     rid = next(self._ids)
-    self.requests[rid] = Request(rid, prompt, max_new_tokens, pages=-(-need // self.page_size),
+    self.requests[rid] = Request(rid, prompt, max_new_tokens, constrained, pages=-(-need // self.page_size),
                                  arrived_at=time.perf_counter())
     self._waiting.append(rid)
     return rid
@@ -215,7 +237,7 @@ class Engine:
     if not self.num_running:
       return {}
     self._rebudget(_step_rows(self._s, self._cfg))
-    self._s = _step_jit(self.target, self.proposer, None, self._s, self._cfg)
+    self._s = _step_jit(self.target, self.proposer, self.grammar, self._s, self._cfg)
     return self._collect()
 
   def stream(self) -> Iterator[tuple[int, list[int]]]:
@@ -249,11 +271,13 @@ class Engine:
     t = -(-max(len(r.prompt) for r in admitted) // PROMPT_BUCKET) * PROMPT_BUCKET
     prompts_BxT = np.zeros((b, t), np.int32)
     lens_B = np.zeros((b,), np.int32)
-    admit_B = np.zeros((b,), bool)
+    admit_B, constrained_B = np.zeros((b,), bool), np.zeros((b,), bool)
     for r in admitted:
       prompts_BxT[r.slot, :len(r.prompt)], lens_B[r.slot], admit_B[r.slot] = r.prompt, len(r.prompt), True
+      constrained_B[r.slot] = r.constrained
     self._rebudget(lens_B)
-    self._s = _admit(self.target, self.proposer, self._s, prompts_BxT, lens_B, admit_B, self._cfg)
+    self._s = _admit(self.target, self.proposer, self.grammar, self._s, prompts_BxT, lens_B, admit_B, constrained_B,
+                     self._cfg)
 
   def _rebudget(self, num_new_B) -> None:
     """Sets the page budget of the next call, which adds num_new_B rows (int32[B]) per slot: it

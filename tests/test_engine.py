@@ -8,6 +8,7 @@ import mtp_jax
 from mtp_jax.engine import Engine
 
 from test_generate import K, PROPOSER5, TARGET5
+from test_grammar_generate import EOS, G, MAX_NEW, PROMPTS, PROPOSER, TARGET, _assert_matches
 
 # 3 slots but 10 pages of 8 rows: two requests of 4 pages hold 8, so a third waits for pages
 # with a slot free, and a slot that finishes is refilled from the queue.
@@ -62,6 +63,21 @@ def test_cancel_frees_a_slot_and_leaves_the_others_exact():
     engine.cancel(99)
 
 
+def test_constrained_and_free_requests_equal_generate_alone_under_the_grammar():
+  """A constrained request arriving while a free one runs: each equals generate on it alone with
+  grammar=G and constrained=[True] / [False] (greedy)."""
+  engine = Engine(TARGET, PROPOSER, max_batch=2, max_len=64, page_size=8, eos_token_id=EOS, grammar=G)
+  free = engine.add_request(PROMPTS[1], MAX_NEW, constrained=False)
+  engine.step()
+  constrained = engine.add_request(PROMPTS[0], MAX_NEW)  # constrained by default
+  out = engine.run()
+  for rid, flag in ((constrained, True), (free, False)):
+    want = mtp_jax.generate(TARGET, PROPOSER, [engine.requests[rid].prompt], MAX_NEW, num_drafts=K, eos_token_id=EOS,
+                            grammar=G, constrained=[flag]).tokens[0]
+    assert out[rid] == want
+  _assert_matches([out[constrained]])
+
+
 class TestErrors:
 
   def test_request_longer_than_the_engine_limit(self):
@@ -72,7 +88,17 @@ class TestErrors:
       engine.add_request([], 3)
     with pytest.raises(ValueError, match="outside 0..vocab_size-1=4"):
       engine.add_request([7], 3)
+    with pytest.raises(ValueError, match="constrained=True needs a grammar") as e:
+      engine.add_request([1], 3, constrained=True)
+    assert e.value.argument == "constrained"
+    with pytest.raises(TypeError, match="constrained must be a bool"):
+      engine.add_request([1], 3, constrained="yes")
     assert engine.num_waiting == 0
+
+  def test_grammar_needs_its_eos(self):
+    with pytest.raises(ValueError, match="a grammar ends sequences with eos: pass eos_token_id") as e:
+      Engine(TARGET, PROPOSER, max_len=64, page_size=8, grammar=G)
+    assert e.value.argument == "eos_token_id"
 
   def test_paging_arguments(self):
     with pytest.raises(ValueError, match="page_size=6 must divide max_len=64"):

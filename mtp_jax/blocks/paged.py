@@ -214,8 +214,8 @@ class PagedKVCache:
     """The cache contract of cache.py: `write`, then every column of the table as a dense view.
 
     Returns (new cache, (k, v dtype[B, L, Hkv, Dh]) gathered through the table, int32[B, L]):
-    keys of pages the slot does not hold carry NO_ROW. Reads B x max_len rows; sequence
-    attention uses `attend`, which reads only the pages in use.
+    keys of pages the slot does not hold carry NO_ROW. Reads B x max_len rows: `Attention`
+    uses `attend`, which reads only the pages in use; this view is the dense reference.
     """
     new = self.write(rows_BxT, valid_BxT, k_BxTxKxDh, v_BxTxKxDh)
     b, max_pages = self.table.shape
