@@ -6,10 +6,12 @@ The engine owns one `generate.LoopState` of `max_batch` slots with paged caches.
    worst case): one jitted prefill over the admitted slots writes their prompt rows, emits
    their first token and drafts; running slots pass through untouched;
 2. runs `generate._step`, the decode step `generate` itself runs, once over all slots;
+   before each jitted call the host sets the page budget (the pages attention reads, see
+   blocks/paged.py) from the pages the call may hold, so reads follow the tokens in flight;
 3. reads the tokens each request gained and frees the slots (and pages) of finished ones at once.
 
 Every jitted call donates the loop state, so the caches are updated in place. Host work per
-step is one small read (tokens, counters). Greedy output per request equals `generate` run on
+step is small reads (the budget's page count; tokens, counters). Greedy output per request equals `generate` run on
 that request alone: a slot's rows, pages and counters are its own, and the step masks the rest.
 """
 

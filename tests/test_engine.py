@@ -10,9 +10,10 @@ from mtp_jax.engine import Engine
 from test_generate import K, PROPOSER5, TARGET5
 from test_grammar_generate import EOS, G, MAX_NEW, PROMPTS, PROPOSER, TARGET, _assert_matches
 
-# 3 slots but 10 pages of 8 rows: two requests of 4 pages hold 8, so a third waits for pages
-# with a slot free, and a slot that finishes is refilled from the queue.
-SETTINGS = dict(max_batch=3, max_len=64, page_size=8, num_pages=10)
+# 3 slots but 40 pages of 2 rows: two requests of 14 and 12 pages hold 26, so a third of 15 waits
+# for pages with a slot free, and a slot that finishes is refilled from the queue. The pages
+# attention reads (the budget) follow the pages in flight up from 16 and down again.
+SETTINGS = dict(max_batch=3, max_len=64, page_size=2, num_pages=40)
 LONGEST = 24
 
 
@@ -25,17 +26,18 @@ def _alone(prompt: tuple[int, ...]) -> list[int]:
 def test_staggered_requests_equal_generate_alone_and_pages_come_back():
   engine = Engine(TARGET5, PROPOSER5, **SETTINGS)
   full = engine.free_pages()
-  a = engine.add_request([1, 2, 3], 20)            # 4 pages
-  b = engine.add_request([4, 0, 1, 2, 3, 4, 0, 1], 12)  # 3 pages
+  a = engine.add_request([1, 2, 3], 20)            # 14 pages
+  b = engine.add_request([4, 0, 1, 2, 3, 4, 0, 1], 12)  # 12 pages
   gained = engine.step()
   assert set(gained) == {a, b} and engine.num_running == 2
-  c = engine.add_request([3], LONGEST)             # 4 pages: 7 + 4 > 10, waits with a slot free
+  c = engine.add_request([3], LONGEST)             # 15 pages: 26 + 15 > 40, waits with a slot free
   engine.step()
   assert engine.requests[c].status == "waiting" and engine.num_running == 2
   d = engine.add_request([2, 2, 4, 1], 5)
-  streamed = {}
+  streamed, budgets = {}, []
   for rid, new in engine.stream():
     streamed.setdefault(rid, []).extend(new)
+    budgets.append(engine._cfg.page_budget)
   for rid in (a, b, c, d):
     req = engine.requests[rid]
     want = _alone(tuple(req.prompt))[:req.max_new_tokens]
@@ -44,6 +46,7 @@ def test_staggered_requests_equal_generate_alone_and_pages_come_back():
     assert req.stats["ttft_s"] > 0 and req.stats["tokens_per_s"] > 0
   assert streamed[c] == engine.requests[c].tokens  # c ran entirely inside the stream
   assert engine.free_pages() == full and engine.num_running == engine.num_waiting == 0
+  assert max(budgets) > 16 and budgets[-1] == 16  # up with the pages in flight, and down again
 
 
 def test_cancel_frees_a_slot_and_leaves_the_others_exact():
