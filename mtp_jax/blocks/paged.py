@@ -242,7 +242,8 @@ class PagedKVCache:
 
   def attend(self, q_BxTxKxGxDh, rows_BxT, valid_BxT, *, window: int | None = None,
              sinks_KxG: jax.Array | None = None) -> jax.Array:
-    """Causal GQA attention of the queries over the pages in use; returns dtype[B, T, Hkv, G, Dh].
+    """Causal GQA attention of queries dtype[B, T, Hkv, G, Dh] over the pages in use; returns
+    float32[B, T, Hkv, G, Dh].
 
     The same softmax as attention.py's over a slot's rows (a query at row r sees keys at rows
     r - window < row <= r), taken across the slot's pages: max and sum per page, then per owner
@@ -261,26 +262,28 @@ class PagedKVCache:
     mask_UxTxP = key_rows_UxP[:, None] <= q_rows_UxT[:, :, None]
     if window is not None:
       mask_UxTxP &= key_rows_UxP[:, None] > q_rows_UxT[:, :, None] - window
-    q = q_BxTxKxGxDh[own_U]
-    scores = jnp.einsum("utkgd,upkd->ukgtp", q, k_UxPxKxDh.astype(q.dtype),
-                        preferred_element_type=jnp.float32) * dh**-0.5
-    scores = jnp.where(mask_UxTxP[:, None, None], scores, jnp.finfo(jnp.float32).min)
+    q_UxTxKxGxDh = q_BxTxKxGxDh[own_U]
+    scores_UxKxGxTxP = jnp.einsum("utkgd,upkd->ukgtp", q_UxTxKxGxDh, k_UxPxKxDh.astype(q_BxTxKxGxDh.dtype),
+                                  preferred_element_type=jnp.float32) * dh**-0.5
+    scores_UxKxGxTxP = jnp.where(mask_UxTxP[:, None, None], scores_UxKxGxTxP, jnp.finfo(jnp.float32).min)
     # Empty segments (slots holding no page) give -inf: floored so that every exponent is finite.
-    top_BxKxGxT = jnp.maximum(jax.ops.segment_max(jnp.max(scores, axis=-1), owner_U, num_segments=b),
+    top_BxKxGxT = jnp.maximum(jax.ops.segment_max(jnp.max(scores_UxKxGxTxP, axis=-1), owner_U, num_segments=b),
                               jnp.finfo(jnp.float32).min)
     if sinks_KxG is not None:
-      sink = sinks_KxG.astype(jnp.float32)[None, :, :, None]
-      top_BxKxGxT = jnp.maximum(top_BxKxGxT, sink)
-    e = jnp.exp(scores - top_BxKxGxT[own_U][..., None])
-    denom_BxKxGxT = jax.ops.segment_sum(jnp.sum(e, axis=-1), owner_U, num_segments=b)
+      sink_1xKxGx1 = sinks_KxG.astype(jnp.float32)[None, :, :, None]
+      top_BxKxGxT = jnp.maximum(top_BxKxGxT, sink_1xKxGx1)
+    e_UxKxGxTxP = jnp.exp(scores_UxKxGxTxP - top_BxKxGxT[own_U][..., None])
+    denom_BxKxGxT = jax.ops.segment_sum(jnp.sum(e_UxKxGxTxP, axis=-1), owner_U, num_segments=b)
     if sinks_KxG is not None:
-      denom_BxKxGxT = denom_BxKxGxT + jnp.exp(sink - top_BxKxGxT)
-    probs = e / jnp.where(denom_BxKxGxT > 0, denom_BxKxGxT, 1.0)[own_U][..., None]
+      denom_BxKxGxT = denom_BxKxGxT + jnp.exp(sink_1xKxGx1 - top_BxKxGxT)
+    probs_UxKxGxTxP = e_UxKxGxTxP / jnp.where(denom_BxKxGxT > 0, denom_BxKxGxT, 1.0)[own_U][..., None]
     newest_B = jnp.max(jnp.where(valid_BxT, rows_BxT, -1), axis=1)
     readable_UxP = key_rows_UxP <= newest_B[own_U][:, None]
     v_UxPxKxDh = jnp.where(readable_UxP[:, :, None, None], v_UxPxKxDh, jnp.zeros((), v_UxPxKxDh.dtype))
-    out_U = jnp.einsum("ukgtp,upkd->utkgd", probs.astype(v_UxPxKxDh.dtype), v_UxPxKxDh)
-    return jax.ops.segment_sum(out_U, owner_U, num_segments=b)
+    # Partial outputs per page are summed in float32, as the dense einsum accumulates.
+    out_UxTxKxGxDh = jnp.einsum("ukgtp,upkd->utkgd", probs_UxKxGxTxP.astype(v_UxPxKxDh.dtype), v_UxPxKxDh,
+                                preferred_element_type=jnp.float32)
+    return jax.ops.segment_sum(out_UxTxKxGxDh, owner_U, num_segments=b)
 
   def partition_specs(self, batch_axis, model_axis, model_size: int) -> "PagedKVCache":
     """PartitionSpecs: pools' Hkv on model_axis when it divides by model_size; pages are shared
