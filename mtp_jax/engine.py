@@ -11,8 +11,9 @@ The engine owns one `generate.LoopState` of `max_batch` slots with paged caches.
 3. reads the tokens each request gained and frees the slots (and pages) of finished ones at once.
 
 Every jitted call donates the loop state, so the caches are updated in place. Host work per
-step is small reads (the budget's page count; tokens, counters). Greedy output per request equals `generate` run on
-that request alone: a slot's rows, pages and counters are its own, and the step masks the rest.
+step is small reads (the pages the call may hold; tokens, counters). Greedy output per request
+equals `generate` run on that request alone: a slot's rows, pages and counters are its own, and
+the step masks the rest.
 """
 
 from __future__ import annotations
