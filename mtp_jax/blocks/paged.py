@@ -266,14 +266,16 @@ class PagedKVCache:
     scores_UxKxGxTxP = jnp.einsum("utkgd,upkd->ukgtp", q_UxTxKxGxDh, k_UxPxKxDh.astype(q_BxTxKxGxDh.dtype),
                                   preferred_element_type=jnp.float32) * dh**-0.5
     scores_UxKxGxTxP = jnp.where(mask_UxTxP[:, None, None], scores_UxKxGxTxP, jnp.finfo(jnp.float32).min)
-    # Empty segments (slots holding no page) give -inf: floored so that every exponent is finite.
-    top_BxKxGxT = jnp.maximum(jax.ops.segment_max(jnp.max(scores_UxKxGxTxP, axis=-1), owner_U, num_segments=b),
+    # owner_U is sorted (slot by slot, then padding). Empty segments (slots holding no page)
+    # give -inf: floored so that every exponent is finite.
+    page_max_UxKxGxT = jnp.max(scores_UxKxGxTxP, axis=-1)
+    top_BxKxGxT = jnp.maximum(jax.ops.segment_max(page_max_UxKxGxT, owner_U, num_segments=b, indices_are_sorted=True),
                               jnp.finfo(jnp.float32).min)
     if sinks_KxG is not None:
       sink_1xKxGx1 = sinks_KxG.astype(jnp.float32)[None, :, :, None]
       top_BxKxGxT = jnp.maximum(top_BxKxGxT, sink_1xKxGx1)
     e_UxKxGxTxP = jnp.exp(scores_UxKxGxTxP - top_BxKxGxT[own_U][..., None])
-    denom_BxKxGxT = jax.ops.segment_sum(jnp.sum(e_UxKxGxTxP, axis=-1), owner_U, num_segments=b)
+    denom_BxKxGxT = jax.ops.segment_sum(jnp.sum(e_UxKxGxTxP, axis=-1), owner_U, num_segments=b, indices_are_sorted=True)
     if sinks_KxG is not None:
       denom_BxKxGxT = denom_BxKxGxT + jnp.exp(sink_1xKxGx1 - top_BxKxGxT)
     probs_UxKxGxTxP = e_UxKxGxTxP / jnp.where(denom_BxKxGxT > 0, denom_BxKxGxT, 1.0)[own_U][..., None]
@@ -283,7 +285,7 @@ class PagedKVCache:
     # Partial outputs per page are summed in float32, as the dense einsum accumulates.
     out_UxTxKxGxDh = jnp.einsum("ukgtp,upkd->utkgd", probs_UxKxGxTxP.astype(v_UxPxKxDh.dtype), v_UxPxKxDh,
                                 preferred_element_type=jnp.float32)
-    return jax.ops.segment_sum(out_UxTxKxGxDh, owner_U, num_segments=b)
+    return jax.ops.segment_sum(out_UxTxKxGxDh, owner_U, num_segments=b, indices_are_sorted=True)
 
   def partition_specs(self, batch_axis, model_axis, model_size: int) -> "PagedKVCache":
     """PartitionSpecs: pools' Hkv on model_axis when it divides by model_size; pages are shared
