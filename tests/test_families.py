@@ -278,26 +278,7 @@ def test_qwen3_next_mtp_equals_engine_reference(tmp_path):
   toks = rng.integers(0, V, (1, n + QN_DEPTHS))
   hidden = rng.standard_normal((1, n, D)).astype(np.float32)
 
-  def chain(toks):  # cache-free reference over every row: float32[depths, n, V]
-    with torch.no_grad():
-      h, out = torch.from_numpy(hidden), []
-      for m in range(1, QN_DEPTHS + 1):
-        emb = torch.from_numpy(embed[toks[:, m:m + n]])
-        h = ref(emb, h, torch.arange(n)[None] + m - 1)
-        out.append(h[0].numpy() @ lm_head.T)
-    return np.stack(out)
-
-  want = chain(toks)
-  assert np.isfinite(want).all()
-  got = mtp_jax.forward_chain(proposer, jnp.asarray(hidden), jnp.asarray(toks[:, 1:], jnp.int32))
-  np.testing.assert_allclose(np.asarray(got[:, 0]), want, rtol=1e-4, atol=1e-4)
-  ref_drafts = [int(np.argmax(want[0, -1]))]
-  ext = toks.copy()
-  ext[0, n + 1] = ref_drafts[0]
-  ref_drafts.append(int(np.argmax(chain(ext)[1, -1])))
-  drafts, _ = mtp_jax.propose(proposer, mtp_jax.init_state(cfg, 1, 32), hidden, toks[:, 1:n + 1],
-                              np.array([n], np.int32), num_drafts=QN_DEPTHS)
-  assert np.asarray(drafts)[0].tolist() == ref_drafts
+  _check_chain_and_drafts(proposer, cfg, ref, hidden, toks, embed, lm_head, QN_DEPTHS)
 
 
 LC_DEPTHS = 2
@@ -376,10 +357,19 @@ def test_longcat_mtp_equals_engine_reference(tmp_path):
   toks = rng.integers(0, V, (1, n + LC_DEPTHS))
   hidden = rng.standard_normal((1, n, D)).astype(np.float32)
 
-  def chain(toks):  # cache-free reference over every row: float32[depths, n, V]
+  # Drafts go through the latent cache (absorbed form, scaled latent stored): the reference's greedy chain.
+  _check_chain_and_drafts(proposer, cfg, ref, hidden, toks, embed, lm_head, LC_DEPTHS)
+
+
+def _check_chain_and_drafts(proposer, cfg, ref, hidden, toks, embed, lm_head, depths):
+  """The chain's logits over every row equal a cache-free torch reference (ref(emb, h, positions)
+  -> h); propose's greedy drafts from the cache equal the reference's greedy chain."""
+  n = hidden.shape[1]
+
+  def chain(toks):  # float32[depths, n, V]
     with torch.no_grad():
       h, out = torch.from_numpy(hidden), []
-      for m in range(1, LC_DEPTHS + 1):
+      for m in range(1, depths + 1):
         h = ref(torch.from_numpy(embed[toks[:, m:m + n]]), h, torch.arange(n)[None] + m - 1)
         out.append(h[0].numpy() @ lm_head.T)
     return np.stack(out)
@@ -388,11 +378,10 @@ def test_longcat_mtp_equals_engine_reference(tmp_path):
   assert np.isfinite(want).all()
   got = mtp_jax.forward_chain(proposer, jnp.asarray(hidden), jnp.asarray(toks[:, 1:], jnp.int32))
   np.testing.assert_allclose(np.asarray(got[:, 0]), want, rtol=1e-4, atol=1e-4)
-  # Drafts go through the latent cache (absorbed form, scaled latent stored): the reference's greedy chain.
   ref_drafts = [int(np.argmax(want[0, -1]))]
   ext = toks.copy()
   ext[0, n + 1] = ref_drafts[0]
   ref_drafts.append(int(np.argmax(chain(ext)[1, -1])))
   drafts, _ = mtp_jax.propose(proposer, mtp_jax.init_state(cfg, 1, 32), hidden, toks[:, 1:n + 1],
-                              np.array([n], np.int32), num_drafts=LC_DEPTHS)
+                              np.array([n], np.int32), num_drafts=depths)
   assert np.asarray(drafts)[0].tolist() == ref_drafts
