@@ -39,8 +39,11 @@ def heads_major_zeros(cls, cfg, batch_size, max_len, dtype=None):
   return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
 
 
-def heads_major_attention(self, x_BxTxD, rows_BxT, valid_BxT, cache, rope_offset=0):
-  """Attention.__call__ over a [B, Hkv, L, Dh] cache (the cache-free path is unchanged)."""
+def heads_major_attention(self, x_BxTxD, rows_BxT, valid_BxT, cache, rope_offset=0, tree=None):
+  """Attention.__call__ over a [B, Hkv, L, Dh] cache for chain rows (the cache-free path is
+  unchanged; tree rows are not part of this A/B)."""
+  if tree is not None:
+    raise NotImplementedError("the heads-major A/B covers chain drafts only")
   if cache is None:
     return _ORIGINAL["attention"](self, x_BxTxD, rows_BxT, valid_BxT, cache, rope_offset)
   b, t, _ = x_BxTxD.shape
