@@ -159,11 +159,8 @@ def run_demo(*, num_prompts: int = 8, prompt_len: int = 64, max_new_tokens: int 
   num_modules = proposer.cfg.num_modules
   ks = list(range(1, num_modules + 1)) if ks is None else [
       validate.integer(f"ks[{i}]", k, 1, num_modules) for i, k in enumerate(ks)]
-  trees = [] if trees is None else [check_tree(t) for t in trees]
-  for t in trees:
-    if t.depth > proposer.cfg.num_depths:
-      raise validate.InvalidValue("trees", f"tree widths={t.widths} is {t.depth} deep; the model drafts at most "
-                                           f"{proposer.cfg.num_depths}")
+  trees = [] if trees is None else [check_tree(t, max_depth=proposer.cfg.num_depths, argument=f"trees[{i}]")
+                                     for i, t in enumerate(trees)]
   prompts = data.heldout_prompts(num_prompts, prompt_len=prompt_len, seed=seed)
   decoders = [lambda p: generate(target, None, [p], max_new_tokens)]
   decoders += [lambda p, k=k: generate(target, proposer, [p], max_new_tokens, num_drafts=k) for k in ks]

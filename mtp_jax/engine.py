@@ -32,12 +32,11 @@ import numpy as np
 from mtp_jax import grammar as grammar_lib
 from mtp_jax import proposer as prop
 from mtp_jax import validate
-from mtp_jax.generate import (PROMPT_BUCKET, LoopState, _budgeted, _draft, _emit, _masked, _out_of_pages,
+from mtp_jax.generate import (PROMPT_BUCKET, LoopState, _budgeted, _draft, _emit, _first_token, _out_of_pages,
                               _pages_needed, _Settings, _split, _step_jit, _step_rows, _stop_out_of_pages,
                               _validate, _with_budget)
 from mtp_jax.blocks.paged import budget_bucket, check_paging
 from mtp_jax.mtp import MtpModel
-from mtp_jax.sampling import sample
 from mtp_jax.target import TargetModel, init_target_state, reset_target_slots, target_step
 
 
@@ -103,15 +102,12 @@ def _admit(target, proposer, grammar, s: LoopState, prompts_BxT, lens_B, admit_B
             verify_calls=zero(s.verify_calls), accepted=zero(s.accepted), target_tokens=zero(s.target_tokens) + one)
   logits, hid, tstate = target_step(target, s.target, prompts_BxT, jnp.where(admit_B, lens_B, 0))
   key, k_first, k_draft = _split(s.key, cfg)
-  last_B = jnp.maximum(lens_B - 1, 0)
-  last_logits = jnp.take_along_axis(logits, last_B[:, None, None], axis=1)[:, 0]
   gstate_B = s.grammar_state
   if grammar is not None:
     gstate_B = jnp.where(admit_B, grammar_lib.init_grammar_state(b, constrained_B), gstate_B)
-  first_B, _ = sample(_masked(grammar, last_logits, gstate_B), k_first, temperature=cfg.temperature,
-                      top_k=cfg.top_k, top_p=cfg.top_p)
+  first_B, after_B = _first_token(grammar, logits, lens_B, gstate_B, k_first, cfg)
   if grammar is not None:
-    gstate_B = jnp.where(admit_B, grammar_lib.advance(grammar, gstate_B, first_B), gstate_B)
+    gstate_B = jnp.where(admit_B, after_B, gstate_B)
   ok_B = admit_B & ~_out_of_pages(tstate, None)
   s, _ = _emit(s.set(target=tstate, key=key), first_B[:, None], one, cfg, ok_B)
   s = s.set(last=jnp.where(admit_B, first_B, s.last), grammar_state=gstate_B)
@@ -121,7 +117,7 @@ def _admit(target, proposer, grammar, s: LoopState, prompts_BxT, lens_B, admit_B
   # Running slots get no new positions and no drafts to settle, so propose writes none of their rows.
   pstate = old.set(num_drafted=jnp.where(admit_B, old.num_drafted, 0))
   tokens = jnp.concatenate([prompts_BxT[:, 1:], prompts_BxT[:, :1]], axis=1)
-  tokens = tokens.at[jnp.arange(b), last_B].set(first_B)
+  tokens = tokens.at[jnp.arange(b), jnp.maximum(lens_B - 1, 0)].set(first_B)
   drafts, pstate = _draft(proposer, grammar, pstate, hid, tokens, jnp.where(ok_B, lens_B, 0), gstate_B, k_draft,
                           cfg)
   keep = lambda new, prev: jnp.where(admit_B.reshape((b,) + (1,) * (new.ndim - 1)), new, prev)
@@ -175,6 +171,7 @@ class Engine:
     self._slots: list[int | None] = [None] * max_batch
     self._waiting: collections.deque[int] = collections.deque()
     self._reserved = 0
+    self._next_pages = None  # pages the next step needs, read with the last step's outputs
     self._ids = itertools.count()
     self.requests: dict[int, Request] = {}
 
@@ -239,7 +236,7 @@ class Engine:
     self._admit_waiting()
     if not self.num_running:
       return {}
-    self._rebudget(_step_rows(self._s, self._cfg))
+    self._rebudget(_step_rows(self._s, self._cfg), self._next_pages)
     self._s = _step_jit(self.target, self.proposer, self.grammar, self._s, self._cfg)
     return self._collect()
 
@@ -270,6 +267,7 @@ class Engine:
       admitted.append(req)
     if not admitted:
       return
+    self._next_pages = None  # the prefill takes pages
     b = len(self._slots)
     t = -(-max(len(r.prompt) for r in admitted) // PROMPT_BUCKET) * PROMPT_BUCKET
     prompts_BxT = np.zeros((b, t), np.int32)
@@ -282,17 +280,23 @@ class Engine:
     self._s = _admit(self.target, self.proposer, self.grammar, self._s, prompts_BxT, lens_B, admit_B, constrained_B,
                      self._cfg)
 
-  def _rebudget(self, num_new_B) -> None:
+  def _rebudget(self, num_new_B, pages_needed: int | None = None) -> None:
     """Sets the page budget of the next call, which adds num_new_B rows (int32[B]) per slot: it
-    follows the pages in flight up and down (one compile per budget, reused when it comes back)."""
-    budget = budget_bucket(int(_pages_needed(self._s, num_new_B)), self.num_pages)
+    follows the pages in flight up and down (one compile per budget, reused when it comes back).
+    pages_needed: the pages that call needs when the host already has them (else read here)."""
+    if pages_needed is None:
+      pages_needed = int(_pages_needed(self._s, num_new_B))
+    budget = budget_bucket(pages_needed, self.num_pages)
     if budget != self._cfg.page_budget:
       self._s, self._cfg = _with_budget(self._s, self._cfg, budget)
 
   def _collect(self) -> dict[int, list[int]]:
     s = self._s
-    num_out, out, done, oom, verify_calls = jax.device_get(
-        (s.num_out, s.out, s.done, _out_of_pages(s.target, s.proposer), s.verify_calls))
+    # The next step's page need comes in the same read: freeing slots only lowers it.
+    num_out, out, done, oom, verify_calls, self._next_pages = jax.device_get(
+        (s.num_out, s.out, s.done, _out_of_pages(s.target, s.proposer), s.verify_calls,
+         _pages_needed(s, _step_rows(s, self._cfg))))
+    self._next_pages = int(self._next_pages)
     now = time.perf_counter()
     gained, finished = {}, []
     for slot, rid in enumerate(self._slots):

@@ -145,6 +145,18 @@ def _split(key, cfg: _Settings):
   return tuple(jax.random.split(key, 3))
 
 
+def _first_token(grammar, logits_BxTxV, lens_B, gstate_B, key, cfg: _Settings):
+  """The token after each prompt, int32[B], sampled from the logits of its last row (lens_B - 1)
+  under the grammar, and the grammar states int32[B] after it (None without a grammar)."""
+  last_B = jnp.maximum(lens_B - 1, 0)
+  last_logits = jnp.take_along_axis(logits_BxTxV, last_B[:, None, None], axis=1)[:, 0]
+  first_B, _ = sample(_masked(grammar, last_logits, gstate_B), key, temperature=cfg.temperature,
+                      top_k=cfg.top_k, top_p=cfg.top_p)
+  if grammar is not None:
+    gstate_B = grammar_lib.advance(grammar, gstate_B, first_B)
+  return first_B, gstate_B
+
+
 def _start(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key, cfg: _Settings) -> LoopState:
   b, t = prompts_BxT.shape
   k = cfg.num_drafts
@@ -154,11 +166,7 @@ def _start(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key, cfg: _
     tstate = sharding.shard_state(tstate, cfg.mesh)
   logits, hid, tstate = target_step(target, tstate, prompts_BxT, lens_B)
   key, k_first, k_draft = _split(key, cfg)
-  last_logits = jnp.take_along_axis(logits, (lens_B - 1)[:, None, None], axis=1)[:, 0]
-  first_B, _ = sample(_masked(grammar, last_logits, gstate_B), k_first, temperature=cfg.temperature,
-                      top_k=cfg.top_k, top_p=cfg.top_p)
-  if grammar is not None:
-    gstate_B = grammar_lib.advance(grammar, gstate_B, first_B)
+  first_B, gstate_B = _first_token(grammar, logits, lens_B, gstate_B, k_first, cfg)
   one = jnp.ones((b,), jnp.int32)
   s = LoopState(target=tstate, proposer=None, last=first_B, drafts=jnp.zeros((b, _rows_per_step(cfg) - 1), jnp.int32),
                 grammar_state=gstate_B,
@@ -168,7 +176,9 @@ def _start(target, proposer, grammar, prompts_BxT, lens_B, gstate_B, key, cfg: _
   s, _ = _emit(s, first_B[:, None], one, cfg, ~_out_of_pages(tstate, None))
   if proposer is None:
     return _stop_out_of_pages(s)
-  pstate = _budgeted(prop.init_state(proposer.cfg, b, cfg.max_len, keep_draft_probs=cfg.temperature > 0,
+  # A sampled tree's draft distributions travel in the step's DraftTree, not in the proposer state.
+  keep_probs = cfg.temperature > 0 and cfg.tree is None
+  pstate = _budgeted(prop.init_state(proposer.cfg, b, cfg.max_len, keep_draft_probs=keep_probs,
                                      page_size=cfg.page_size, num_pages=cfg.num_pages), cfg.page_budget)
   if cfg.mesh is not None:
     pstate = sharding.shard_state(pstate, cfg.mesh)
@@ -375,7 +385,8 @@ def _check_prompts(prompts, v: int) -> list[np.ndarray]:
 
 
 def _validate(target, proposer, prompts, max_new_tokens, num_drafts, temperature, top_k, top_p, seed,
-              eos_token_id, max_len, relaxed, stream, grammar, constrained, draft_masks, tree=None) -> dict:
+              eos_token_id, max_len, relaxed, stream, grammar, constrained, draft_masks, tree=None, page_size=None,
+              mesh=None) -> dict:
   """Every argument of `generate` checked and normalised; errors name the argument and its limits."""
   validate.instance("target", target, TargetModel, "a TargetModel")
   v = target.cfg.vocab_size
@@ -394,16 +405,19 @@ def _validate(target, proposer, prompts, max_new_tokens, num_drafts, temperature
                                               f"proposer hidden_size={proposer.cfg.hidden_size}")
     k_max = proposer.cfg.num_depths
     if tree is not None and num_drafts is None:
-      num_drafts = check_tree(tree).depth
+      num_drafts = check_tree(tree, max_depth=k_max).depth
     k = k_max if num_drafts is None else validate.integer("num_drafts", num_drafts, 1, k_max)
   prompts = _check_prompts(prompts, v)
   temperature, top_k, top_p = validate.sampling(temperature, top_k, top_p)
   if tree is not None:
     if proposer is None:
       raise validate.InvalidValue("tree", "tree drafts need a proposer")
-    prop._check_tree_args(tree, k)
+    check_tree(tree, num_drafts=k)
     if relaxed is not None:
       raise validate.InvalidValue("tree", "tree verification is exact greedy: pass relaxed=None with a tree")
+    if page_size is not None or mesh is not None:
+      raise validate.InvalidValue("tree", "tree drafts move the accepted path's rows in contiguous, unsharded "
+                                          "caches: pass page_size=None and mesh=None with a tree")
   longest = max(len(p) for p in prompts)
   max_new_tokens = validate.integer("max_new_tokens", max_new_tokens, 1, validate.INT32_MAX - longest - k - 1)
   seed = validate.integer("seed", seed, 0, 2**32 - 1)  # jax.random.key keeps the low 32 bits
@@ -520,7 +534,7 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
     the prompts stopped for lack of a page; always empty when contiguous).
   """
   a = _validate(target, proposer, prompts, max_new_tokens, num_drafts, temperature, top_k, top_p, seed,
-                eos_token_id, max_len, relaxed, stream, grammar, constrained, draft_masks, tree)
+                eos_token_id, max_len, relaxed, stream, grammar, constrained, draft_masks, tree, page_size, mesh)
   prompts, k, max_new_tokens, max_len, constrained = (a["prompts"], a["k"], a["max_new_tokens"], a["max_len"],
                                                       a["constrained"])
   lens = np.array([len(p) for p in prompts], np.int32)
@@ -537,9 +551,6 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
   for i, p in enumerate(prompts):
     prompts_BxT[i, :len(p)] = p
   full_len = max_len or t + max_new_tokens + step_rows  # rows that always suffice
-  if tree is not None and (page_size is not None or mesh is not None):
-    raise validate.InvalidValue("tree", "tree drafts move the accepted path's rows in contiguous, unsharded "
-                                        "caches: pass page_size=None and mesh=None with a tree")
   if page_size is None and num_pages is None:
     capacity = max_len or min(full_len, max(MIN_CAPACITY, 1 << (t + step_rows).bit_length()))
   else:  # paged caches are sized by their pool and never grown: the capacity is the whole max_len

@@ -222,7 +222,7 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
   checked = validate.flag("checked", checked)
   catch_up = validate.flag("catch_up", catch_up)
   if tree is not None:
-    _check_tree_args(tree, num_drafts)
+    check_tree(tree, num_drafts=num_drafts)
   hiddens, tokens, num_new = jnp.asarray(hiddens), jnp.asarray(tokens), jnp.asarray(num_new)
   if validate.is_concrete(state.num_pos, hiddens, tokens, num_new, grammar_state):
     _raise_eager(_propose_value_errors(state, hiddens, tokens, num_new, params.cfg.vocab_size, grammar,
@@ -234,13 +234,6 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
   return _propose(params, state, hiddens, tokens.astype(jnp.int32), num_new.astype(jnp.int32),
                   num_drafts, key, temperature, top_k, top_p, grammar, grammar_state, checked,
                   catch_up=catch_up, tree=tree)
-
-
-def _check_tree_args(tree, num_drafts):
-  check_tree(tree)
-  if tree.depth != num_drafts:
-    raise validate.InvalidValue("tree", f"tree has depth {tree.depth} (widths={tree.widths}) but "
-                                        f"num_drafts={num_drafts}; they must be equal")
 
 
 def _check_grammar(grammar, grammar_state, batch_size, vocab_size):

@@ -119,6 +119,8 @@ class DraftTree:
 
   @classmethod
   def of(cls, spec: TreeSpec, tokens_BxN, probs_BxMxV=None) -> "DraftTree":
+    """The tree of spec's shape with node tokens int32[B, N] and, sampled, the distributions
+    float32[B, M, V] the children of its M inner nodes were drawn from."""
     return cls(tokens=tokens_BxN, parents=np.asarray(spec.parents[1:] - 1, np.int32),
                depths=np.asarray(spec.depths[1:], np.int32), probs=probs_BxMxV)
 
@@ -136,7 +138,15 @@ def node_states(grammar, state_B, tokens_BxN1, tree: TreeSpec, upto: int | None 
   return jnp.pad(states, [(0, 0), (0, tree.num_nodes + 1 - states.shape[1])])
 
 
-def check_tree(tree) -> TreeSpec:
-  """tree as a TreeSpec, refused by name unless it is one."""
-  validate.instance("tree", tree, TreeSpec, "a mtp_jax.tree.TreeSpec (e.g. TreeSpec(widths=(3, 2, 1)))")
+def check_tree(tree, *, num_drafts: int | None = None, max_depth: int | None = None,
+               argument: str = "tree") -> TreeSpec:
+  """tree as a TreeSpec, refused by the name `argument` unless it is one, at most max_depth deep
+  (the proposer's depths) and num_drafts deep (when given)."""
+  validate.instance(argument, tree, TreeSpec, "a mtp_jax.tree.TreeSpec (e.g. TreeSpec(widths=(3, 2, 1)))")
+  if max_depth is not None and tree.depth > max_depth:
+    raise validate.InvalidValue(argument, f"tree widths={tree.widths} is {tree.depth} deep; the proposer drafts "
+                                          f"at most {max_depth}")
+  if num_drafts is not None and tree.depth != num_drafts:
+    raise validate.InvalidValue(argument, f"tree has depth {tree.depth} (widths={tree.widths}) but "
+                                          f"num_drafts={num_drafts}; they must be equal")
   return tree

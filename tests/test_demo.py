@@ -39,7 +39,7 @@ def test_demo_speculative_output_equals_plain_greedy():
 def test_run_demo_rejects_k_beyond_the_modules():
   with pytest.raises(ValueError, match=r"ks\[0\] must be an int in 1..3, got 4"):
     demo.run_demo(num_prompts=1, max_new_tokens=4, ks=[4], repeats=1, name="small")
-  with pytest.raises(ValueError, match=r"widths=\(1, 1, 1, 1\) is 4 deep; the model drafts at most 3"):
+  with pytest.raises(ValueError, match=r"widths=\(1, 1, 1, 1\) is 4 deep; the proposer drafts at most 3"):
     demo.run_demo(num_prompts=1, max_new_tokens=4, trees=[mtp_jax.TreeSpec((1, 1, 1, 1))], repeats=1, name="small")
 
 

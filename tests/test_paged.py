@@ -8,7 +8,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mtp_jax
-from mtp_jax.blocks.attention import attention_probs, causal_mask, readable_rows
+from mtp_jax.blocks.attention import attention_probs
+from mtp_jax.blocks.masks import causal_mask, readable_rows
 from mtp_jax.blocks.paged import Pages, PagedKVCache, budget_bucket
 
 from test_generate import PROMPTS5, PROPOSER5, TARGET5, gen_lib
@@ -97,6 +98,12 @@ def test_allocator_refuses_writes_past_its_pages_and_touches_no_other_slot():
   pages = pages.reset(jnp.array([True, True]))
   assert int(pages.num_free) == 5 and not np.asarray(pages.oom).any()
   assert sorted(np.asarray(pages.free).tolist()) == list(range(5))
+  # Under a budget of 3 pages (what attention reads), a 4th page is refused like a missing one.
+  pages = Pages.create(2, 32, 8, 5).with_budget(3).ensure(jnp.array([16, 8]))
+  pages = pages.ensure(jnp.array([16, 9]))
+  np.testing.assert_array_equal(np.asarray(pages.oom), [False, True])
+  np.testing.assert_array_equal(np.asarray(pages.used), [2, 1])
+  assert int(pages.num_free) == 2
 
 
 def test_generate_paged_equals_contiguous_and_stops_sequences_out_of_pages():

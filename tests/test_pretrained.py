@@ -194,11 +194,13 @@ def test_greedy_generate_equals_transformers_for_every_k(released):
     with torch.no_grad():
       out = main.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, min_new_tokens=new)
     want.append(out[0, len(p):].tolist())
-  for k in (1, 2, 3):  # k = 3 runs module 1 at depth 3 (vLLM's cycle)
+  # k = 3 runs module 1 at depths 2 and 3 (vLLM's cycle); test_drafts_equal_mtp_model checks
+  # every depth's drafts, so k = 2 adds nothing here but a compile.
+  for k in (1, 3):
     got = mtp_jax.generate(target, proposer, prompts, new, num_drafts=k)
     assert got.tokens == want, k
-    single = mtp_jax.generate(target, proposer, prompts[1:], new, num_drafts=k)
-    assert single.tokens == want[1:], k
+  single = mtp_jax.generate(target, proposer, prompts[1:], new, num_drafts=3)
+  assert single.tokens == want[1:]
 
 
 def test_tied_head_and_unsupported_tensors_are_named(tmp_path):

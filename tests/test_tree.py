@@ -223,7 +223,7 @@ def test_tree_accepts_at_least_what_the_chain_does_per_step():
 
 @pytest.mark.parametrize("kwargs, argument", [
     (dict(num_drafts=2), "tree"), (dict(relaxed=(2, 0.1)), "tree"),
-    (dict(page_size=16), "tree"), (dict(tree="222"), "tree")])
+    (dict(page_size=16), "tree"), (dict(tree="222"), "tree"), (dict(tree=TreeSpec((1, 1, 1, 1))), "tree")])
 def test_generate_tree_errors(kwargs, argument):
   kwargs = {"tree": TreeSpec((2, 2, 2)), **kwargs}
   with pytest.raises((validate.InvalidValue, validate.InvalidType)) as e:

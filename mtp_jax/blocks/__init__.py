@@ -4,8 +4,8 @@ Shapes are written as suffixes (`x_BxTxD`) and as `dtype[B, T, D]` in docstrings
 B batch, T rows in this call, L cache rows (max_len), S keys attended to, D hidden,
 H query heads, G = H / Hkv query heads per KV head, Dh head dim, F MLP width, V vocabulary.
 
-Data flow: linear, norms, rope -> cache (per-layer caches, their interface) -> attention, mla,
-mlp, moe -> block (the pre-norm `Block` and `init_cache`, which picks the cache for a config).
+Data flow: linear, norms, rope -> cache (per-layer caches, their interface), masks, paged ->
+attention, mla, mlp, moe -> block (the pre-norm `Block` and `init_cache`, which picks the cache for a config).
 """
 
 from mtp_jax.blocks.attention import Attention, TreeRows

@@ -14,19 +14,11 @@ from flax import nnx
 
 from mtp_jax.blocks import cache as cache_lib
 from mtp_jax.blocks.linear import Linear
+from mtp_jax.blocks.masks import causal_mask, readable_rows
 from mtp_jax.blocks.norms import RMSNorm
 from mtp_jax.blocks.paged import PagedKVCache
 from mtp_jax.blocks.rope import apply_rope, inv_frequencies
 from mtp_jax.config import BlockConfig
-
-
-def causal_mask(rows_BxT, key_rows_BxS, *, window: int | None = None) -> jax.Array:
-  """bool[B, T, S]: a query at row r sees keys at rows r - window < row <= r."""
-  q_rows, k_rows = rows_BxT[:, :, None], key_rows_BxS[:, None, :]
-  mask_BxTxS = k_rows <= q_rows
-  if window is not None:
-    mask_BxTxS &= k_rows > q_rows - window
-  return mask_BxTxS
 
 
 def attention_probs(scores_BxKxGxTxS, mask_BxTxS, *, sinks_KxG: jax.Array | None = None) -> jax.Array:
@@ -42,18 +34,6 @@ def attention_probs(scores_BxKxGxTxS, mask_BxTxS, *, sinks_KxG: jax.Array | None
   top = jnp.maximum(jnp.max(scores, axis=-1, keepdims=True), sink)
   e = jnp.exp(scores - top)
   return e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))
-
-
-def readable_rows(values_BxSx, rows_BxT, valid_BxT, key_rows_BxS) -> jax.Array:
-  """values_BxSx with the rows no valid query of this call may read replaced by zeros.
-
-  Those rows get probability 0, but 0 * NaN = NaN: selecting them away keeps NaN / inf left in
-  stale rows (a reset slot's earlier request) out of every output.
-  """
-  newest_B = jnp.max(jnp.where(valid_BxT, rows_BxT, -1), axis=1)
-  readable_BxS = key_rows_BxS <= newest_B[:, None]
-  readable = readable_BxS.reshape(readable_BxS.shape + (1,) * (values_BxSx.ndim - 2))
-  return jnp.where(readable, values_BxSx, jnp.zeros((), values_BxSx.dtype))
 
 
 @jax.tree_util.register_dataclass

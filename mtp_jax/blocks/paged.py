@@ -32,6 +32,7 @@ from jax.sharding import PartitionSpec as P
 
 from mtp_jax import validate
 from mtp_jax.blocks.cache import NO_ROW
+from mtp_jax.blocks.masks import causal_mask, readable_rows
 from mtp_jax.config import BlockConfig
 
 
@@ -122,8 +123,9 @@ class Pages:
   def ensure(self, num_rows_B) -> "Pages":
     """Gives each slot the pages for rows 0..num_rows_B[b]-1 (int32[B]).
 
-    Slots are served in order while pages last; a slot that does not fit gets nothing and is
-    flagged in oom (the ones after it may still fit).
+    Slots are served in order while pages last and the pages held stay within the budget (the
+    calls read only `budget` pages); a slot that does not fit gets nothing and is flagged in oom
+    (the ones after it may still fit).
     """
     ps, max_pages = self.page_size, self.table.shape[1]
     want_B = jnp.minimum(-(-num_rows_B // ps), max_pages)
@@ -133,14 +135,15 @@ class Pages:
     def serve(left, need):
       ok = need <= left
       return left - jnp.where(ok, need, 0), ok
-    left, ok_B = jax.lax.scan(serve, self.num_free, need_B)
+    room = jnp.minimum(self.num_free, self.budget - jnp.sum(self.used))
+    _, ok_B = jax.lax.scan(serve, room, need_B)
     got_B = jnp.where(ok_B, need_B, 0)
     p_BxP = jnp.arange(max_pages, dtype=jnp.int32)[None]
     new_BxP = (p_BxP >= self.used[:, None]) & (p_BxP < (self.used + got_B)[:, None])
     k_BxP = _exclusive_cumsum(got_B)[:, None] + p_BxP - self.used[:, None]  # k-th page popped
     popped_BxP = self.free[jnp.clip(self.num_free - 1 - k_BxP, 0, self.num_pages - 1)]
     return dataclasses.replace(self, table=jnp.where(new_BxP, popped_BxP, self.table), used=self.used + got_B,
-                               num_free=left, oom=self.oom | ~ok_B)
+                               num_free=self.num_free - jnp.sum(got_B), oom=self.oom | ~ok_B)
 
   def release(self, num_rows_B) -> "Pages":
     """Keeps the pages for rows 0..num_rows_B[b]-1 (int32[B]) and returns the slot's others to the pool."""
@@ -248,7 +251,7 @@ class PagedKVCache:
     The same softmax as attention.py's over a slot's rows (a query at row r sees keys at rows
     r - window < row <= r), taken across the slot's pages: max and sum per page, then per owner
     by segment max / sum. Rows no valid query may read (stale rows of held pages, padding
-    entries) are selected away from v, so NaN left in them cannot leak (as `readable_rows`).
+    entries) are selected away from v, so NaN left in them cannot leak.
     Reads `budget` pages, however long the table.
     """
     b, t, hkv, g, dh = q_BxTxKxGxDh.shape
@@ -259,9 +262,7 @@ class PagedKVCache:
     key_rows_UxP = first_U[:, None] + jnp.arange(self.page_size, dtype=jnp.int32)[None]
     key_rows_UxP = jnp.where((owner_U < b)[:, None], key_rows_UxP, NO_ROW)
     q_rows_UxT = rows_BxT[own_U]
-    mask_UxTxP = key_rows_UxP[:, None] <= q_rows_UxT[:, :, None]
-    if window is not None:
-      mask_UxTxP &= key_rows_UxP[:, None] > q_rows_UxT[:, :, None] - window
+    mask_UxTxP = causal_mask(q_rows_UxT, key_rows_UxP, window=window)
     q_UxTxKxGxDh = q_BxTxKxGxDh[own_U]
     scores_UxKxGxTxP = jnp.einsum("utkgd,upkd->ukgtp", q_UxTxKxGxDh, k_UxPxKxDh.astype(q_BxTxKxGxDh.dtype),
                                   preferred_element_type=jnp.float32) * dh**-0.5
@@ -279,9 +280,7 @@ class PagedKVCache:
     if sinks_KxG is not None:
       denom_BxKxGxT = denom_BxKxGxT + jnp.exp(sink_1xKxGx1 - top_BxKxGxT)
     probs_UxKxGxTxP = e_UxKxGxTxP / jnp.where(denom_BxKxGxT > 0, denom_BxKxGxT, 1.0)[own_U][..., None]
-    newest_B = jnp.max(jnp.where(valid_BxT, rows_BxT, -1), axis=1)
-    readable_UxP = key_rows_UxP <= newest_B[own_U][:, None]
-    v_UxPxKxDh = jnp.where(readable_UxP[:, :, None, None], v_UxPxKxDh, jnp.zeros((), v_UxPxKxDh.dtype))
+    v_UxPxKxDh = readable_rows(v_UxPxKxDh, q_rows_UxT, valid_BxT[own_U], key_rows_UxP)
     # Partial outputs per page are summed in float32, as the dense einsum accumulates.
     out_UxTxKxGxDh = jnp.einsum("ukgtp,upkd->utkgd", probs_UxKxGxTxP.astype(v_UxPxKxDh.dtype), v_UxPxKxDh,
                                 preferred_element_type=jnp.float32)
