@@ -151,9 +151,10 @@ def test_target_tree_verification_and_compaction(cfg):
   lens = np.array([5, 9], np.int32)
   prompts = rng.integers(0, V, size=(2, 12)).astype(np.int32)
   state = mtp_jax.init_target_state(cfg, 2, 32)
-  _, _, state = mtp_jax.target_step(target, state, prompts, lens)
+  step = jax.jit(mtp_jax.target_step, static_argnums=4)  # one compile per call, not one per op
+  _, _, state = step(target, state, prompts, lens)
   nodes = rng.integers(0, V, size=(2, tree.num_nodes + 1)).astype(np.int32)
-  logits, hid, tree_state = mtp_jax.target_step(target, state, nodes, np.full(2, tree.num_nodes + 1, np.int32), tree)
+  logits, hid, tree_state = step(target, state, nodes, np.full(2, tree.num_nodes + 1, np.int32), tree)
   # Reference: every (sequence, node) as its own cache-free sequence, padded to 16 rows, one batch.
   seqs, last = np.zeros((2, tree.num_nodes + 1, 16), np.int32), np.zeros((2, tree.num_nodes + 1), np.int32)
   for b in range(2):
@@ -168,12 +169,12 @@ def test_target_tree_verification_and_compaction(cfg):
   np.testing.assert_allclose(hid, at_last(ref_h), atol=2e-4, rtol=2e-4)
   ends = np.array([7, 2])  # a depth-2 path and a depth-1 path
   path_BxK1, a_B = jnp.asarray(tree.paths[ends]), jnp.asarray(tree.depths[ends])
-  compacted = target_lib.compact_target(tree_state, state.length, path_BxK1, a_B)
-  compacted = target_lib.trim_target(compacted, state.length + a_B + 1)
+  compacted = jax.jit(lambda st, start, path, a: target_lib.trim_target(
+      target_lib.compact_target(st, start, path, a), start + a + 1))(tree_state, state.length, path_BxK1, a_B)
   chain_in = np.zeros((2, 3), np.int32)
   for b in range(2):
     chain_in[b, :a_B[b] + 1] = nodes[b, tree.paths[ends[b], :a_B[b] + 1]]
-  _, _, chain_state = mtp_jax.target_step(target, state, chain_in, a_B + 1)
+  _, _, chain_state = step(target, state, chain_in, a_B + 1)
   np.testing.assert_array_equal(compacted.length, chain_state.length)
   for got, want in zip(compacted.kv, chain_state.kv):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
@@ -294,7 +295,7 @@ def test_tree_grammar_masks_per_node():
 def test_tree_speculative_sampling_matches_target_distribution():
   """3 tokens over a 3-token vocabulary (27 outcomes): tree speculative sampling draws the target's
   joint distribution (with a grammar-free, unfiltered target)."""
-  v, n, copies = 3, 3, 6000
+  v, n, copies = 3, 3, 3000
   target, proposer = _models(v, seed=2)
   prompt = [0, 1, 2, 1]
   exact = _exact_joint(target, prompt, v, n)
