@@ -162,6 +162,13 @@ def forward_chain(model: MtpModel, hiddens_BxTxD: jax.Array, tokens_BxU: jax.Arr
   k = num_modules or model.cfg.num_depths
   if tokens_BxU.shape[1] < t + k - 1:
     raise ValueError(f"tokens_BxU needs at least T + K - 1 = {t + k - 1} columns, got {tokens_BxU.shape[1]}")
+  if validate.is_concrete(hiddens_BxTxD, tokens_BxU):  # eager (a notebook, a reference): one compile, not one per op
+    return _forward_chain_jit(model, jnp.asarray(hiddens_BxTxD), jnp.asarray(tokens_BxU), k)
+  return _forward_chain(model, hiddens_BxTxD, tokens_BxU, k)
+
+
+def _forward_chain(model: MtpModel, hiddens_BxTxD, tokens_BxU, k: int) -> jax.Array:
+  b, t, _ = hiddens_BxTxD.shape
   rows_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
   valid_BxT = jnp.ones((b, t), bool)
   h = hiddens_BxTxD.astype(model.cfg.jnp_dtype)
@@ -172,3 +179,6 @@ def forward_chain(model: MtpModel, hiddens_BxTxD: jax.Array, tokens_BxU: jax.Arr
     out.append(model.logits(i, h))
     h = model.next_hidden(i, h)
   return jnp.stack(out)
+
+
+_forward_chain_jit = jax.jit(_forward_chain, static_argnums=3)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtp_jax import validate
 from mtp_jax.blocks import Block, Embed, KVCache, Linear, MlaCache, RMSNorm, TreeRows, init_cache
 from mtp_jax.blocks.cache import move_rows
 from mtp_jax.blocks.paged import Pages, PagedKVCache, allocator, bind, paged_cache, unbind
@@ -86,6 +87,12 @@ def target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B, t
   its rows beyond its pages are dropped (its logits are then meaningless; others are unaffected).
   Returns (logits float32[B, T, V], hiddens dtype[B, T, D], new TargetState with length += num_new).
   """
+  if validate.is_concrete(state.length, tokens_BxT, num_new_B):  # eager: one compile, not one per op
+    return _target_step_jit(model, state, jnp.asarray(tokens_BxT), jnp.asarray(num_new_B), tree)
+  return _target_step(model, state, tokens_BxT, num_new_B, tree)
+
+
+def _target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B, tree: TreeSpec | None):
   t = tokens_BxT.shape[1]
   rows_BxT = state.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
   valid_BxT = jnp.arange(t)[None] < num_new_B[:, None]
@@ -101,6 +108,9 @@ def target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B, t
   if pages is not None:
     kv = unbind(kv)
   return logits, hiddens, state.set(kv=kv, length=state.length + num_new_B, pages=pages)
+
+
+_target_step_jit = jax.jit(_target_step, static_argnums=4)
 
 
 def trim_target(state: TargetState, length_B) -> TargetState:

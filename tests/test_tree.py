@@ -151,10 +151,9 @@ def test_target_tree_verification_and_compaction(cfg):
   lens = np.array([5, 9], np.int32)
   prompts = rng.integers(0, V, size=(2, 12)).astype(np.int32)
   state = mtp_jax.init_target_state(cfg, 2, 32)
-  step = jax.jit(mtp_jax.target_step, static_argnums=4)  # one compile per call, not one per op
-  _, _, state = step(target, state, prompts, lens)
+  _, _, state = mtp_jax.target_step(target, state, prompts, lens)
   nodes = rng.integers(0, V, size=(2, tree.num_nodes + 1)).astype(np.int32)
-  logits, hid, tree_state = step(target, state, nodes, np.full(2, tree.num_nodes + 1, np.int32), tree)
+  logits, hid, tree_state = mtp_jax.target_step(target, state, nodes, np.full(2, tree.num_nodes + 1, np.int32), tree)
   # Reference: every (sequence, node) as its own cache-free sequence, padded to 16 rows, one batch.
   seqs, last = np.zeros((2, tree.num_nodes + 1, 16), np.int32), np.zeros((2, tree.num_nodes + 1), np.int32)
   for b in range(2):
@@ -174,7 +173,7 @@ def test_target_tree_verification_and_compaction(cfg):
   chain_in = np.zeros((2, 3), np.int32)
   for b in range(2):
     chain_in[b, :a_B[b] + 1] = nodes[b, tree.paths[ends[b], :a_B[b] + 1]]
-  _, _, chain_state = step(target, state, chain_in, a_B + 1)
+  _, _, chain_state = mtp_jax.target_step(target, state, chain_in, a_B + 1)
   np.testing.assert_array_equal(compacted.length, chain_state.length)
   for got, want in zip(compacted.kv, chain_state.kv):
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
