@@ -330,7 +330,8 @@ def _sharded_runs() -> dict:
 def test_experts_shard_over_model_axis():
   import os, subprocess, sys, json
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
+  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"  # keeps conftest's
+  env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p]))
   r = subprocess.run([sys.executable, __file__], env=env, capture_output=True, text=True, timeout=900)
   assert r.returncode == 0, r.stderr[-4000:]

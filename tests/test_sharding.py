@@ -27,8 +27,8 @@ K, B = 2, 4
 
 def _env(devices: int) -> dict:
   path = os.pathsep.join([str(ROOT)] + [p for p in [os.environ.get("PYTHONPATH")] if p])
-  return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", PYTHONPATH=path,
-              JAX_PLATFORMS="cpu")
+  flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={devices}"  # keeps conftest's
+  return dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=path, JAX_PLATFORMS="cpu")
 
 
 def _child(what: str, timeout_s: float = 300) -> dict:
