@@ -27,7 +27,7 @@ def _tree(text: str) -> TreeSpec:
 def _demo(args) -> int:
   return demo.main(num_prompts=args.num_prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
                    seed=args.seed, repeats=args.repeats, ks=args.ks, name=_model_name(args), path=args.checkpoint,
-                   trees=args.tree)
+                   trees=args.tree, max_depth=args.max_depth)
 
 
 def _byte_text():
@@ -151,6 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--tree", type=_tree, action="append", default=None, metavar="W1,W2,..",
                  help="also a draft tree, e.g. 3,2,1: top-3 children of the root, top-2 of each of those, ... "
                       "(repeatable)")
+  p.add_argument("--max-depth", type=int, default=None, metavar="N",
+                 help="let --ks and --tree draft N deep, depths past the K modules cycling through them")
   p.add_argument("--checkpoint", default=None, help="a training checkpoint directory instead of the shipped one")
   p.add_argument("--small", action="store_true", help=SMALL_HELP)
   p.set_defaults(func=_demo)

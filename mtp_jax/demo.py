@@ -41,14 +41,20 @@ def default_demo() -> str:
   return "large" if has_demo("large") else "small"
 
 
-def load_demo(path=None, *, name: str = "small") -> tuple[TargetModel, MtpModel, data.ByteTokenizer]:
+def load_demo(path=None, *, name: str = "small",
+              max_depth: int | None = None) -> tuple[TargetModel, MtpModel, data.ByteTokenizer]:
   """(target, proposer, tokenizer): the trained byte-level models shipped in mtp_jax/assets/<name>
   (or the checkpoint directory `path`, as written by `mtp_jax.train`). Weights stored as bfloat16
-  are computed in the config's dtype (float32)."""
+  are computed in the config's dtype (float32). max_depth: drafts the proposer may make (default
+  its K modules); depths past K cycle through the modules (`MtpConfig.max_depth`)."""
   if path is None and not has_demo(name):
     raise FileNotFoundError(f"the demo model {name!r} is not in this package ({demo_path(name)} lacks "
                             f"{', '.join(ASSET_FILES)}); see docs/demo.md for how it is made")
   target, proposer = train.load_checkpoint(demo_path(name) if path is None else path)
+  if max_depth is not None:
+    max_depth = validate.positive_int("max_depth", max_depth)
+    # The config is the only place the depth count lives; the fresh model is ours to change.
+    proposer.cfg = dataclasses.replace(proposer.cfg, max_depth=max_depth, depth_reuse="cycle")
   return target, proposer, data.ByteTokenizer()
 
 
@@ -142,9 +148,9 @@ def _pooled(outs, key: str) -> np.ndarray:
 
 def run_demo(*, num_prompts: int = 8, prompt_len: int = 64, max_new_tokens: int = 128, seed: int = 0,
              name: str = "small", path=None, ks: list[int] | None = None, repeats: int = 3,
-             trees: list[TreeSpec] | None = None) -> DemoReport:
+             trees: list[TreeSpec] | None = None, max_depth: int | None = None) -> DemoReport:
   """Greedy speculative decoding for each k in `ks` (default 1..K), for each draft tree in `trees`
-  (`mtp_jax.tree.TreeSpec`, at most K deep; default none) and plain greedy decoding on
+  (`mtp_jax.tree.TreeSpec`, at most max_depth deep, default K; default none) and plain greedy decoding on
   `num_prompts` held-out prompts of `prompt_len` bytes, one prompt at a time (batch 1, the
   latency setting speculative decoding is for), with the demo model `name` (or the checkpoint
   `path`). The decoders take turns (see `_interleaved`); times are medians over `repeats`
@@ -155,10 +161,10 @@ def run_demo(*, num_prompts: int = 8, prompt_len: int = 64, max_new_tokens: int 
   max_new_tokens = validate.positive_int("max_new_tokens", max_new_tokens)
   seed = validate.integer("seed", seed, 0)
   repeats = validate.positive_int("repeats", repeats)
-  target, proposer, tok = load_demo(path, name=name)
-  num_modules = proposer.cfg.num_modules
-  ks = list(range(1, num_modules + 1)) if ks is None else [
-      validate.integer(f"ks[{i}]", k, 1, num_modules) for i, k in enumerate(ks)]
+  target, proposer, tok = load_demo(path, name=name, max_depth=max_depth)
+  num_depths = proposer.cfg.num_depths
+  ks = list(range(1, proposer.cfg.num_modules + 1)) if ks is None else [
+      validate.integer(f"ks[{i}]", k, 1, num_depths) for i, k in enumerate(ks)]
   trees = [] if trees is None else [check_tree(t, max_depth=proposer.cfg.num_depths, argument=f"trees[{i}]")
                                      for i, t in enumerate(trees)]
   prompts = data.heldout_prompts(num_prompts, prompt_len=prompt_len, seed=seed)
@@ -219,10 +225,10 @@ def format_report(report: DemoReport) -> str:
 
 def main(*, num_prompts: int, prompt_len: int, max_new_tokens: int, seed: int, repeats: int,
          ks: list[int] | None = None, name: str = "small", path=None, out: Callable[[str], None] = print,
-         trees: list[TreeSpec] | None = None) -> int:
+         trees: list[TreeSpec] | None = None, max_depth: int | None = None) -> int:
   """Runs the demo and prints the table; returns 1 if any speculative output differs from plain."""
   report = run_demo(num_prompts=num_prompts, prompt_len=prompt_len, max_new_tokens=max_new_tokens,
-                    seed=seed, name=name, path=path, ks=ks, repeats=repeats, trees=trees)
+                    seed=seed, name=name, path=path, ks=ks, repeats=repeats, trees=trees, max_depth=max_depth)
   prompt, continuation = report.sample
   out(f"demo model: {report.model}; {num_prompts} held-out prompts of {prompt_len} bytes, {max_new_tokens} new "
       f"tokens each, greedy, one prompt at a time; plain and every k take turns, times are medians of "

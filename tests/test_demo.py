@@ -36,6 +36,16 @@ def test_demo_speculative_output_equals_plain_greedy():
   assert f"best: {demo.best_row(report).label}," in text
 
 
+def test_max_depth_drafts_past_the_modules_and_keeps_the_output():
+  """max_depth=5: a chain of 5 and a 6-node tree 5 deep, depths 4 and 5 running modules 1 and 2 again."""
+  report = demo.run_demo(num_prompts=1, max_new_tokens=12, repeats=1, ks=[5], trees=[mtp_jax.TreeSpec((2, 1, 1, 1, 1))],
+                         max_depth=5)
+  assert [(r.label, r.rows_per_step) for r in report.rows] == [("k=5", 6), ("tree 2,1,1,1,1", 11)]
+  assert all(r.same_as_plain and r.mean_accepted_length > 1.5 for r in report.rows)
+  with pytest.raises(ValueError, match=r"max_depth must be"):
+    demo.load_demo(max_depth=0)
+
+
 def test_run_demo_rejects_k_beyond_the_modules():
   with pytest.raises(ValueError, match=r"ks\[0\] must be an int in 1..3, got 4"):
     demo.run_demo(num_prompts=1, max_new_tokens=4, ks=[4], repeats=1, name="small")
