@@ -38,6 +38,7 @@ from jax.experimental import checkify
 from mtp_jax import grammar as grammar_lib
 from mtp_jax import validate
 from mtp_jax.blocks import KVCache, MlaCache, TreeRows, init_cache
+from mtp_jax.blocks.cache import grow_caches
 from mtp_jax.blocks.paged import Pages, PagedKVCache, allocator, bind, paged_cache, unbind
 from mtp_jax.config import MtpConfig
 from mtp_jax.mtp import MtpModel
@@ -80,6 +81,23 @@ class ProposerState:
   @property
   def max_len(self) -> int:
     return self.kv[0].max_len
+
+  @property
+  def out_of_pages(self) -> jax.Array:
+    """bool[B]: slots the page allocator refused a page (never when contiguous)."""
+    return jnp.zeros(self.num_pos.shape, bool) if self.pages is None else self.pages.oom
+
+  def pages_needed(self, num_new_B) -> jax.Array:
+    """int32[]: pages held in all after a call adding num_new_B (int32[B]) positions per slot (0 when contiguous)."""
+    return jnp.zeros((), jnp.int32) if self.pages is None else self.pages.pages_after(self.num_pos + num_new_B)
+
+  def with_page_budget(self, budget: int | None) -> "ProposerState":
+    """This state whose calls read `budget` pages (unchanged when contiguous or budget is None)."""
+    return self if self.pages is None or budget is None else self.set(pages=self.pages.with_budget(budget))
+
+  def grown(self, max_len: int) -> "ProposerState":
+    """This state with contiguous caches of max_len rows (>= max_len now), rows kept."""
+    return self.set(kv=grow_caches(self.kv, max_len))
 
 
 def init_state(cfg: MtpConfig, batch_size: int, max_len: int, *, keep_draft_probs: bool = False,
@@ -172,7 +190,7 @@ def _raise_eager(errors, **values):
 def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, num_drafts: int, *,
             key=None, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
             grammar=None, grammar_state=None, checked: bool = False, catch_up: bool = True,
-            tree: TreeSpec | None = None):
+            tree: TreeSpec | None = None, grammar_per_position: bool = True):
   """Catches the chain up on the newly verified positions and drafts `num_drafts` tokens.
 
   Args:
@@ -203,6 +221,9 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
       after its path. Depth d runs over the nodes of depths 1..d as extra rows that see the
       verified rows and their own ancestors and are never cached, so the state holds verified
       rows only and `after_verify` works as after a chain.
+    grammar_per_position: static; False masks every draft with grammar_state itself (the state
+      after the verified tokens) instead of the state after the drafts before it, as the seed
+      proposer did (an ablation: `generate(draft_masks="first")`).
   Returns:
     drafts int32[B, k] (a `DraftTree` with tokens int32[B, N] when tree is given), new
     ProposerState. Drafts of a sequence with no positions are unspecified.
@@ -221,6 +242,7 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
     grammar_state = _check_grammar(grammar, grammar_state, state.batch_size, params.cfg.vocab_size)
   checked = validate.flag("checked", checked)
   catch_up = validate.flag("catch_up", catch_up)
+  grammar_per_position = validate.flag("grammar_per_position", grammar_per_position)
   if tree is not None:
     check_tree(tree, num_drafts=num_drafts)
   hiddens, tokens, num_new = jnp.asarray(hiddens), jnp.asarray(tokens), jnp.asarray(num_new)
@@ -229,11 +251,11 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
                                        grammar_state),
                  num_pos=state.num_pos, num_new=num_new)
     return _propose_jit(params, state, hiddens, tokens.astype(jnp.int32), num_new.astype(jnp.int32),
-                        num_drafts, key, temperature, top_k, top_p, grammar, grammar_state, checked, True, catch_up,
-                        tree)
+                        num_drafts, key, temperature, top_k, top_p, grammar, grammar_state, checked,
+                        grammar_per_position, catch_up, tree)
   return _propose(params, state, hiddens, tokens.astype(jnp.int32), num_new.astype(jnp.int32),
                   num_drafts, key, temperature, top_k, top_p, grammar, grammar_state, checked,
-                  catch_up=catch_up, tree=tree)
+                  grammar_per_position, catch_up=catch_up, tree=tree)
 
 
 def _check_grammar(grammar, grammar_state, batch_size, vocab_size):

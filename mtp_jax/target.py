@@ -11,7 +11,7 @@ from flax import nnx
 
 from mtp_jax import validate
 from mtp_jax.blocks import Block, Embed, KVCache, Linear, MlaCache, RMSNorm, TreeRows, init_cache
-from mtp_jax.blocks.cache import move_rows
+from mtp_jax.blocks.cache import grow_caches, move_rows
 from mtp_jax.blocks.paged import Pages, PagedKVCache, allocator, bind, paged_cache, unbind
 from mtp_jax.config import TargetConfig
 from mtp_jax.mtp import assign_state_dict, param_names
@@ -59,6 +59,23 @@ class TargetState:
   @property
   def max_len(self) -> int:
     return self.kv[0].max_len
+
+  @property
+  def out_of_pages(self) -> jax.Array:
+    """bool[B]: slots the page allocator refused a page (never when contiguous)."""
+    return jnp.zeros(self.length.shape, bool) if self.pages is None else self.pages.oom
+
+  def pages_needed(self, num_new_B) -> jax.Array:
+    """int32[]: pages held in all after a call adding num_new_B (int32[B]) rows per slot (0 when contiguous)."""
+    return jnp.zeros((), jnp.int32) if self.pages is None else self.pages.pages_after(self.length + num_new_B)
+
+  def with_page_budget(self, budget: int | None) -> "TargetState":
+    """This state whose calls read `budget` pages (unchanged when contiguous or budget is None)."""
+    return self if self.pages is None or budget is None else self.set(pages=self.pages.with_budget(budget))
+
+  def grown(self, max_len: int) -> "TargetState":
+    """This state with contiguous caches of max_len rows (>= max_len now), rows kept."""
+    return self.set(kv=grow_caches(self.kv, max_len))
 
 
 def init_target_state(cfg: TargetConfig, batch_size: int, max_len: int, *, dtype=None,

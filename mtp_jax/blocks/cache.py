@@ -47,6 +47,17 @@ def move_rows(cache, src_BxA: jax.Array, dst_BxA: jax.Array, valid_BxA: jax.Arra
   return jax.tree.map(move, cache)
 
 
+def grow_caches(caches: tuple, max_len: int) -> tuple:
+  """Contiguous caches (KVCache, MlaCache) padded to max_len rows; every array holds rows on axis 1."""
+  for c in caches:
+    if not isinstance(c, (KVCache, MlaCache)):
+      raise ValueError(f"only contiguous caches grow (paged ones are sized by their pool), got {type(c).__name__}")
+    if max_len < c.max_len:
+      raise ValueError(f"max_len={max_len} is below the caches' {c.max_len} rows")
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, max_len - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+  return jax.tree.map(pad, caches)
+
+
 def all_rows(batch_size: int, max_len: int) -> jax.Array:
   """key_rows_BxS of a position-addressed cache: int32[B, L], key s holds row s."""
   return jnp.broadcast_to(jnp.arange(max_len, dtype=jnp.int32), (batch_size, max_len))
