@@ -33,7 +33,7 @@ import json
 
 import mtp_jax
 from mtp_jax import data, grammar
-from mtp_jax.generate import DRAFT_MASKS
+from mtp_jax.serving.options import DRAFT_MASKS
 
 SCHEMA = {
     "type": "object",

@@ -8,7 +8,7 @@ import dataclasses
 import sys
 
 from mtp_jax import demo, pretrained, train, validate
-from mtp_jax.generate import generate
+from mtp_jax.serving import generate
 from mtp_jax.tree import TreeSpec
 
 

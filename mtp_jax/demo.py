@@ -12,7 +12,7 @@ import ml_dtypes
 import numpy as np
 
 from mtp_jax import checkpoint, data, train, validate
-from mtp_jax.generate import generate
+from mtp_jax.serving import generate
 from mtp_jax.mtp import MtpModel
 from mtp_jax.target import TargetModel
 from mtp_jax.tree import TreeSpec, check_tree

@@ -79,17 +79,29 @@ def verify_sampling(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV, key, *, temper
   return a_B, next_B
 
 
-def verify_relaxed(logits_BxK1xV, drafts_BxK, *, top_n: int, delta: float):
+def _relaxed_ok(probs_BxXxV, tokens_BxX, top_n: int, delta: float):
+  """bool[B, X]: token x is among the top_n of its distribution and within delta of its top-1."""
+  top_vals, top_ids = jax.lax.top_k(probs_BxXxV, top_n)
+  in_top = jnp.any(top_ids == tokens_BxX[..., None], axis=-1)
+  p_x = jnp.take_along_axis(probs_BxXxV, tokens_BxX[..., None], axis=-1)[..., 0]
+  return in_top & (p_x >= top_vals[..., 0] - delta)
+
+
+def verify_relaxed(logits_BxK1xV, drafts_BxK, *, top_n: int, delta: float, allowed_BxK=None):
   """LOSSY relaxed acceptance (greedy): accepts a draft that is among the target's top_n tokens and
-  whose probability is within delta of the top-1's. Output may differ from the target's greedy output."""
+  whose probability is within delta of the top-1's. Output may differ from the target's greedy output.
+
+  allowed_BxK: bool[B, k], the drafts a grammar allows (default all): with masked logits a draft
+  of probability 0 would pass when the top-1's probability is <= delta.
+  """
   _, k, v = _check(logits_BxK1xV, drafts_BxK)
   top_n = validate.positive_int("top_n", top_n, v)
   delta = validate.real("delta", delta, 0.0, 1.0)
   probs = jax.nn.softmax(logits_BxK1xV.astype(jnp.float32), axis=-1)
-  top_vals, top_ids = jax.lax.top_k(probs[:, :k], top_n)
-  in_top = jnp.any(top_ids == drafts_BxK[..., None], axis=-1)
-  p_d = jnp.take_along_axis(probs[:, :k], drafts_BxK[..., None], axis=-1)[..., 0]
-  a_B = _first_rejection(in_top & (p_d >= top_vals[..., 0] - delta))
+  ok_BxK = _relaxed_ok(probs[:, :k], drafts_BxK, top_n, delta)
+  if allowed_BxK is not None:
+    ok_BxK &= allowed_BxK
+  a_B = _first_rejection(ok_BxK)
   greedy_BxK1 = jnp.argmax(logits_BxK1xV, axis=-1).astype(jnp.int32)
   return a_B, jnp.take_along_axis(greedy_BxK1, a_B[:, None], axis=1)[:, 0]
 
@@ -108,22 +120,54 @@ def verify_tree_greedy(logits_BxN1xV: jax.Array, tree_tokens_BxN: jax.Array, tre
     num_accepted repeat the accepted node). Siblings are distinct tokens (top-w), so at most
     one child of a node can match: the accepted path is unique, as a chain's prefix is.
   """
+  tree = _check_tree_args(logits_BxN1xV, tree_tokens_BxN, tree)
+  greedy_BxN1 = jnp.argmax(logits_BxN1xV, axis=-1).astype(jnp.int32)
+  return _deepest_accepted(tree_tokens_BxN == greedy_BxN1[:, tree.parents[1:]], greedy_BxN1, tree)
+
+
+def _check_tree_args(logits_BxN1xV, tree_tokens_BxN, tree):
   tree = check_tree(tree)
   logits_BxN1xV = validate.array("logits", logits_BxN1xV, (None, tree.num_nodes + 1, None), kind="float",
                                  dims=f"[B, N + 1 = {tree.num_nodes + 1}, V]")
   b = logits_BxN1xV.shape[0]
   validate.array("tree_tokens", tree_tokens_BxN, (b, tree.num_nodes), kind="int", dims=f"[B={b}, N={tree.num_nodes}]")
-  greedy_BxN1 = jnp.argmax(logits_BxN1xV, axis=-1).astype(jnp.int32)
-  match_BxN = tree_tokens_BxN == greedy_BxN1[:, tree.parents[1:]]
+  return tree
+
+
+def _deepest_accepted(ok_BxN, greedy_BxN1, tree: TreeSpec):
+  """(num_accepted, next_token, path) for the deepest node whose path is all ok (ok_BxN: bool[B, N],
+  node n + 1 passes its own test); the first in tree order among equally deep ones."""
+  b = ok_BxN.shape[0]
   accepted = [jnp.ones((b, 1), bool)]
-  for d in range(1, tree.depth + 1):  # a node is accepted when it matches and its parent was accepted
+  for d in range(1, tree.depth + 1):  # a node is accepted when it passes and its parent was accepted
     nodes = np.arange(tree.starts[d], tree.starts[d + 1])
     parent_ok = jnp.concatenate(accepted, axis=1)[:, tree.parents[nodes]]
-    accepted.append(parent_ok & match_BxN[:, nodes - 1])
+    accepted.append(parent_ok & ok_BxN[:, nodes - 1])
   depth_BxN1 = jnp.where(jnp.concatenate(accepted, axis=1), jnp.asarray(tree.depths)[None], -1)
   best_B = jnp.argmax(depth_BxN1, axis=1)
   return (jnp.asarray(tree.depths)[best_B], jnp.take_along_axis(greedy_BxN1, best_B[:, None], axis=1)[:, 0],
           jnp.asarray(tree.paths)[best_B])
+
+
+def verify_tree_relaxed(logits_BxN1xV, tree_tokens_BxN, tree: TreeSpec, *, top_n: int, delta: float,
+                        allowed_BxN=None):
+  """LOSSY relaxed acceptance along a draft tree's paths (greedy): a node passes when its token
+  passes `verify_relaxed`'s test under its parent's distribution; the deepest node whose whole
+  path passes is accepted (the first in tree order among equally deep ones, since siblings may
+  pass together), and the next token is the target's argmax after it.
+
+  Args and returns as `verify_tree_greedy`; allowed_BxN: bool[B, N], the nodes a grammar allows.
+  """
+  tree = _check_tree_args(logits_BxN1xV, tree_tokens_BxN, tree)
+  v = logits_BxN1xV.shape[-1]
+  top_n = validate.positive_int("top_n", top_n, v)
+  delta = validate.real("delta", delta, 0.0, 1.0)
+  probs_BxN1xV = jax.nn.softmax(logits_BxN1xV.astype(jnp.float32), axis=-1)
+  ok_BxN = _relaxed_ok(probs_BxN1xV[:, tree.parents[1:]], tree_tokens_BxN, top_n, delta)
+  if allowed_BxN is not None:
+    ok_BxN &= allowed_BxN
+  greedy_BxN1 = jnp.argmax(logits_BxN1xV, axis=-1).astype(jnp.int32)
+  return _deepest_accepted(ok_BxN, greedy_BxN1, tree)
 
 
 def verify_tree_sampling(logits_BxN1xV, tree_tokens_BxN, draft_probs_BxMxV, key, tree: TreeSpec, *,

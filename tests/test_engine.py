@@ -5,7 +5,7 @@ import functools
 import pytest
 
 import mtp_jax
-from mtp_jax.engine import Engine
+from mtp_jax import Engine
 
 from test_generate import K, PROPOSER5, TARGET5
 from test_grammar_generate import EOS, G, MAX_NEW, PROMPTS, PROPOSER, TARGET, _assert_matches
@@ -37,7 +37,7 @@ def test_staggered_requests_equal_generate_alone_and_pages_come_back():
   streamed, budgets = {}, []
   for rid, new in engine.stream():
     streamed.setdefault(rid, []).extend(new)
-    budgets.append(engine._cfg.page_budget)
+    budgets.append(engine.page_budget)
   for rid in (a, b, c, d):
     req = engine.requests[rid]
     want = _alone(tuple(req.prompt))[:req.max_new_tokens]

@@ -9,12 +9,13 @@ import numpy as np
 import pytest
 
 import mtp_jax
+from mtp_jax import serving
 from mtp_jax import verify
 
 from test_verify import _chi2_pvalue
 
 # The submodule, not the function of the same name that mtp_jax exports.
-gen_lib = importlib.import_module("mtp_jax.generate")
+step_lib = importlib.import_module("mtp_jax.serving.step")
 
 K = 3
 
@@ -115,7 +116,7 @@ def test_speculative_sampling_matches_target_distribution(monkeypatch):
     at = jnp.take_along_axis(logits, a[:, None, None], axis=1)[:, 0]
     return a, jax.random.categorical(jax.random.fold_in(key, 7), at / temperature).astype(jnp.int32)
 
-  monkeypatch.setattr(gen_lib, "verify_sampling", wrong)
+  monkeypatch.setattr(step_lib, "verify_sampling", wrong)
   # One copy fewer: a new shape, so the loop is traced again with the wrong rule (clearing
   # every cache instead would make the tests after this one compile again).
   counts = _sampled_joint(target, proposer, prompt, n, copies - 1, seed=0)
@@ -154,10 +155,13 @@ class TestErrors:
 def test_greedy_step_does_no_prng_work(temperature):
   """The greedy decode step draws nothing, so it must not split keys (threefry on CPU)."""
   k = 2
-  cfg = gen_lib._Settings(k, 8, temperature, None, None, None, None, 64, "per_position")
+  step = serving.DecodeStep(serving.StepSettings(num_drafts=k, max_new_tokens=8, max_len=64,
+                                                 sampling=serving.Sampling(temperature)))
   prompts = np.array([[1, 2, 3, 0]], np.int32)
-  s = gen_lib._start_jit(TARGET5, PROPOSER5, None, prompts, np.array([3], np.int32), None, jax.random.key(0), cfg)
-  jaxpr = str(jax.make_jaxpr(lambda s: gen_lib._step(TARGET5, PROPOSER5, None, s, cfg))(s))
+  s = step.init(TARGET5, PROPOSER5, None, 1, jax.random.key(0))
+  s = serving.jit_prefill(step, TARGET5, PROPOSER5, None, s, prompts, np.array([3], np.int32), np.ones(1, bool),
+                          np.zeros(1, bool), np.array([8], np.int32))
+  jaxpr = str(jax.make_jaxpr(lambda s: step(TARGET5, PROPOSER5, None, s))(s))
   prng = [p for p in ("random_bits", "threefry", "random_split", "random_fold_in") if p in jaxpr]
   # Sampling does draw: the check is live, not vacuous.
   assert (prng == []) == (temperature == 0), prng

@@ -23,7 +23,7 @@ from test_generate import _forward
 from test_verify import _chi2_pvalue
 
 prop = importlib.import_module("mtp_jax.proposer")
-gen_lib = importlib.import_module("mtp_jax.generate")
+
 
 K = 3
 
@@ -133,7 +133,7 @@ def test_ablated_draft_masks_keep_output_and_lose_acceptance():
   loses that, and verification keeps the output the same in all three."""
   g = grammar.from_regex("(ab){3,6}", AB_VOCAB, eos_token_id=EOS)
   outs = {mode: mtp_jax.generate(TARGET, PROPOSER, PROMPTS, MAX_NEW, num_drafts=K, eos_token_id=EOS, grammar=g,
-                                 draft_masks=mode) for mode in gen_lib.DRAFT_MASKS}
+                                 draft_masks=mode) for mode in mtp_jax.serving.options.DRAFT_MASKS}
   for tokens in outs["per_position"].tokens:
     assert re.fullmatch("(ab){3,6}", _text(tokens, AB_VOCAB).decode())
   per_position = outs["per_position"].stats["mean_accepted_length"]
@@ -330,7 +330,7 @@ def test_constrained_speculative_sampling_is_lossless(monkeypatch):
   def first_state_only(g, state_B, tokens_BxK):
     return jnp.repeat(state_B[:, None], tokens_BxK.shape[1] + 1, axis=1)
 
-  monkeypatch.setattr(gen_lib.grammar_lib, "states_along", first_state_only)
+  monkeypatch.setattr(mtp_jax.grammar, "states_along", first_state_only)
   counts = sampled_counts(2999)  # a new shape: traced again with the ablation
   wrong = np.array([counts.get(o, 0) for o in outcomes])
   assert set(counts) - set(exact) or _chi2_pvalue(wrong, p) < 1e-6

@@ -13,7 +13,7 @@ import pytest
 
 import mtp_jax
 
-gen = importlib.import_module("mtp_jax.generate")  # the package's `generate` attribute is the function
+gen = importlib.import_module("mtp_jax.serving.generate")  # the package's `generate` attribute is the function
 
 K, DRAFTS, B, MAX_LEN = 3, 2, 2, 512
 # Long, narrow caches: one module's k cache (128 KiB) outweighs any activation of a decode step,
@@ -114,10 +114,10 @@ def loop_caches(s):
 
 def test_generate_step_donated_in_place(monkeypatch):
   """The streaming loop's jitted step (it donates the loop state) keeps every cache buffer."""
-  step_jit, records = gen._step_jit, []
+  step_jit, records = gen.jit_step, []
 
   def recording_step(*args, **kwargs):
-    s = next(a for a in (*args, *kwargs.values()) if isinstance(a, gen.LoopState))
+    s = next(a for a in (*args, *kwargs.values()) if isinstance(a, mtp_jax.serving.LoopState))
     if not records:
       records.append(copied_bytes(step_jit.lower(*args, **kwargs).compile()))
       records.append(module_cache_bytes(s.proposer))
@@ -126,7 +126,7 @@ def test_generate_step_donated_in_place(monkeypatch):
     records.append((before, pointers(loop_caches(out))))
     return out
 
-  monkeypatch.setattr(gen, "_step_jit", recording_step)
+  monkeypatch.setattr(gen, "jit_step", recording_step)
   tcfg = mtp_jax.TargetConfig(vocab_size=CFG.vocab_size, hidden_size=CFG.hidden_size, num_heads=2, num_kv_heads=1,
                               head_dim=32, intermediate_size=64, num_layers=2)
   prompts = [RNG.integers(0, CFG.vocab_size, size=n).tolist() for n in (20, 9)]

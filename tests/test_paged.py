@@ -12,7 +12,7 @@ from mtp_jax.blocks.attention import attention_probs
 from mtp_jax.blocks.masks import causal_mask, readable_rows
 from mtp_jax.blocks.paged import Pages, PagedKVCache, budget_bucket
 
-from test_generate import PROMPTS5, PROPOSER5, TARGET5, gen_lib
+from test_generate import PROMPTS5, PROPOSER5, TARGET5
 from test_proposer import CFG, K, MAX_LEN, MODEL, Sim
 
 PAGE = 8
@@ -158,8 +158,9 @@ def test_generate_paged_with_very_mixed_lengths_raises_its_budget_mid_run(monkey
   prompts = [[1], [4, 0, 1, 2, 3, 4, 0, 1] * 5, [3, 2]]
   flat = mtp_jax.generate(TARGET5, PROPOSER5, prompts, 10, num_drafts=K)
   budgets = []
-  with_budget = gen_lib._with_budget
-  monkeypatch.setattr(gen_lib, "_with_budget", lambda s, cfg, n: budgets.append(n) or with_budget(s, cfg, n))
+  settings_cls = mtp_jax.serving.StepSettings
+  with_budget = settings_cls.with_budget
+  monkeypatch.setattr(settings_cls, "with_budget", lambda st, n: budgets.append(n) or with_budget(st, n))
   paged = mtp_jax.generate(TARGET5, PROPOSER5, prompts, 10, num_drafts=K, page_size=4)
   assert paged.tokens == flat.tokens and paged.stats == dict(flat.stats, out_of_pages=[])
   assert budgets == [24]

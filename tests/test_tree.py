@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mtp_jax
+from mtp_jax import serving
 from mtp_jax import TreeSpec, grammar, validate
 
 from test_generate import PROMPTS5, PROPOSER5, TARGET5, _exact_joint, _models
@@ -21,7 +22,6 @@ from test_grammar_generate import TARGET as GT
 from test_proposer import CFG, D, K, MAX_LEN, MODEL, NEAR_TIE, V, Sim, _ref_logits
 from test_verify import _chi2_pvalue
 
-gen_lib = importlib.import_module("mtp_jax.generate")
 verify_lib = importlib.import_module("mtp_jax.verify")
 target_lib = importlib.import_module("mtp_jax.target")
 
@@ -206,24 +206,27 @@ def test_tree_accepts_at_least_what_the_chain_does_per_step():
   at least as many: checked on one verification of the same drafted state."""
   prompts = [[1, 2, 3, 4], [0, 1]]
   tree = TreeSpec((2, 2, 2))
-  step = gen_lib._step_jit  # the step generate runs, once from the same start
-  cfg_chain = gen_lib._Settings(3, 8, 0.0, None, None, None, None, 48, "per_position")
-  cfg_tree = gen_lib._Settings(3, 8, 0.0, None, None, None, None, 48, "per_position", tree=tree)
+  chain = serving.DecodeStep(serving.StepSettings(num_drafts=3, max_new_tokens=8, max_len=48))
+  trees = chain.replace(tree=tree)
   prompts_BxT = np.zeros((2, 32), np.int32)
   lens = np.array([4, 2], np.int32)
   for i, p in enumerate(prompts):
     prompts_BxT[i, :len(p)] = p
-  key = jax.random.key(0)
-  s_c = gen_lib._start_jit(TARGET5, PROPOSER5, None, prompts_BxT, lens, None, key, cfg_chain)
-  s_t = gen_lib._start_jit(TARGET5, PROPOSER5, None, prompts_BxT, lens, None, key, cfg_tree)
+
+  def start(step):  # the prefill generate runs, from the same key
+    s = step.init(TARGET5, PROPOSER5, None, 2, jax.random.key(0))
+    return serving.jit_prefill(step, TARGET5, PROPOSER5, None, s, prompts_BxT, lens, np.ones(2, bool),
+                               np.zeros(2, bool), np.full(2, 8, np.int32))
+
+  s_c, s_t = start(chain), start(trees)
   assert (np.asarray(s_t.drafts)[:, [0, 2, 6]] == np.asarray(s_c.drafts)).all()  # the first-child path
-  s_c, s_t = step(TARGET5, PROPOSER5, None, s_c, cfg_chain), step(TARGET5, PROPOSER5, None, s_t, cfg_tree)
+  s_c = serving.jit_step(chain, TARGET5, PROPOSER5, None, s_c)
+  s_t = serving.jit_step(trees, TARGET5, PROPOSER5, None, s_t)
   assert (np.asarray(s_t.num_out) >= np.asarray(s_c.num_out)).all()
 
 
 @pytest.mark.parametrize("kwargs, argument", [
-    (dict(num_drafts=2), "tree"), (dict(relaxed=(2, 0.1)), "tree"),
-    (dict(page_size=16), "tree"), (dict(tree="222"), "tree"), (dict(tree=TreeSpec((1, 1, 1, 1))), "tree")])
+    (dict(num_drafts=2), "tree"), (dict(tree="222"), "tree"), (dict(tree=TreeSpec((1, 1, 1, 1))), "tree")])
 def test_generate_tree_errors(kwargs, argument):
   kwargs = {"tree": TreeSpec((2, 2, 2)), **kwargs}
   with pytest.raises((validate.InvalidValue, validate.InvalidType)) as e:

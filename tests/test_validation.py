@@ -459,12 +459,13 @@ def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, argv, fragment):
 @pytest.mark.slow
 @pytest.mark.parametrize("streamed", [False, True])
 def test_generate_grows_its_caches(monkeypatch, streamed):
-  gen_lib = importlib.import_module("mtp_jax.generate")
+  gen_lib = importlib.import_module("mtp_jax.serving.generate")
   fixed = mtp_jax.generate(TARGET, MTP, PROMPTS, 80, num_drafts=2, max_len=120)
   monkeypatch.setattr(gen_lib, "MIN_CAPACITY", 8)  # the caches start at 64 rows and grow to 115
   sizes = []
-  real_grow = gen_lib._grow
-  monkeypatch.setattr(gen_lib, "_grow", lambda *a: (sizes.append(a[1].max_len), real_grow(*a))[1])
+  real_resize = gen_lib._resize
+  monkeypatch.setattr(gen_lib, "_resize", lambda step, *a: (sizes.append(step.settings.max_len),
+                                                            real_resize(step, *a))[1])
   grown = mtp_jax.generate(TARGET, MTP, PROMPTS, 80, num_drafts=2, stream=(lambda _: None) if streamed else None)
   assert sizes == [64]
   assert grown.tokens == fixed.tokens

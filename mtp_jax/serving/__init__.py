@@ -1,0 +1,16 @@
+"""Serving: the decode step at the bottom, `generate` and the continuous-batching `Engine` above it.
+
+    options.py   StepSettings and its parts (Sampling, Relaxed, Paging): typed, frozen, static
+    step.py      DecodeStep: drafter + verifier over the models' caches; prefill, step, run
+    generate.py  generate: one fixed batch to its end
+    engine.py    Engine: requests come and go, slots refilled as they free
+"""
+
+from mtp_jax.serving.options import Paging, Relaxed, Sampling, StepSettings
+from mtp_jax.serving.step import (DecodeStep, Drafter, LoopState, Verdict, jit_prefill, jit_run, jit_step,
+                                  pick_verifier)
+from mtp_jax.serving.generate import GenerateOutput, generate
+from mtp_jax.serving.engine import Engine, Request
+
+__all__ = ["Paging", "Relaxed", "Sampling", "StepSettings", "DecodeStep", "Drafter", "LoopState", "Verdict",
+           "jit_prefill", "jit_run", "jit_step", "pick_verifier", "GenerateOutput", "generate", "Engine", "Request"]

@@ -1,0 +1,198 @@
+"""The decode step's settings, as typed frozen dataclasses, and the checks that build them.
+
+Everything here runs on the host, once per `generate` call or `Engine`: the settings are static
+(hashable) data of the jitted step, so each distinct value compiles once. `generate` and the
+Engine build them through the same checks (`decoding`, `check_prompts`), which name the
+argument and the limit on bad input (mtp_jax/validate.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+
+from mtp_jax import grammar as grammar_lib
+from mtp_jax import validate
+from mtp_jax.blocks.paged import check_paging
+from mtp_jax.mtp import MtpModel
+from mtp_jax.target import TargetModel
+from mtp_jax.tree import TreeSpec, check_tree
+
+DRAFT_MASKS = ("per_position", "first", "none")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """How tokens are drawn: temperature 0 is greedy; top_k / top_p filter the distribution."""
+
+  temperature: float = 0.0
+  top_k: int | None = None
+  top_p: float | None = None
+
+  @property
+  def greedy(self) -> bool:
+    return self.temperature == 0
+
+  def kwargs(self) -> dict:
+    """The keywords `sample`, `propose` and the verify functions take."""
+    return dict(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+
+@dataclasses.dataclass(frozen=True)
+class Relaxed:
+  """LOSSY relaxed acceptance (greedy only): a draft among the target's top_n tokens whose
+  probability is within delta of the top-1's is accepted (`verify_relaxed`)."""
+
+  top_n: int
+  delta: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Paging:
+  """Paged caches: num_pages pages of page_size rows per layer; attention reads `budget` pages
+  per call (blocks/paged.py), raised or lowered by the host between jitted calls."""
+
+  page_size: int
+  num_pages: int
+  budget: int
+
+
+@dataclasses.dataclass(frozen=True)
+class StepSettings:
+  """The static settings of `DecodeStep`.
+
+  num_drafts: k drafts per step (a tree's depth), 0 without a proposer. max_new_tokens: the
+  device stops a sequence after this many tokens. max_len: cache rows per sequence now
+  (contiguous caches grow between jitted calls; paged ones hold it from the start).
+  tree: draft a `TreeSpec` instead of a chain. draft_masks: "per_position", "first" or "none"
+  (see `generate`). mesh: place the states on a ("data", "model") mesh.
+  """
+
+  num_drafts: int
+  max_new_tokens: int
+  max_len: int
+  sampling: Sampling = Sampling()
+  eos_token_id: int | None = None
+  relaxed: Relaxed | None = None
+  tree: TreeSpec | None = None
+  draft_masks: str = "per_position"
+  mesh: jax.sharding.Mesh | None = None
+  paging: Paging | None = None
+
+  @property
+  def rows_per_step(self) -> int:
+    """Target rows a decode step writes per sequence: [last, d_1..d_k], or the root and the tree's N nodes."""
+    return (self.num_drafts if self.tree is None else self.tree.num_nodes) + 1
+
+  def with_budget(self, budget: int) -> "StepSettings":
+    return dataclasses.replace(self, paging=dataclasses.replace(self.paging, budget=budget))
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+  """Checked decoding arguments shared by `generate` and the Engine (before sizes are known)."""
+
+  num_drafts: int
+  sampling: Sampling
+  seed: int
+  eos_token_id: int | None
+  relaxed: Relaxed | None
+  tree: TreeSpec | None
+  draft_masks: str
+
+
+def decoding(target, proposer, *, num_drafts, temperature, top_k, top_p, seed, eos_token_id, relaxed=None,
+             tree=None, grammar=None, draft_masks: str = "per_position") -> Decoding:
+  """The models and the decoding arguments checked; errors name the argument and its limits.
+
+  num_drafts defaults to the proposer's depths (or the tree's depth); it must be None without a
+  proposer. Relaxed acceptance is greedy only; a grammar needs eos_token_id equal to its own.
+  """
+  validate.instance("target", target, TargetModel, "a TargetModel")
+  v = target.cfg.vocab_size
+  if proposer is None:
+    if num_drafts is not None:
+      raise validate.InvalidValue("num_drafts", f"num_drafts needs a proposer (plain decoding drafts nothing), "
+                                                f"got {num_drafts!r}")
+    if tree is not None:
+      raise validate.InvalidValue("tree", "tree drafts need a proposer")
+    k = 0
+  else:
+    validate.instance("proposer", proposer, MtpModel, "an MtpModel or None")
+    if proposer.cfg.vocab_size != v:
+      raise validate.InvalidValue(
+          "proposer", f"vocab mismatch: target vocab_size={v}, proposer vocab_size={proposer.cfg.vocab_size}")
+    if proposer.cfg.hidden_size != target.cfg.hidden_size:
+      raise validate.InvalidValue("proposer", f"hidden size mismatch: target hidden_size={target.cfg.hidden_size}, "
+                                              f"proposer hidden_size={proposer.cfg.hidden_size}")
+    k_max = proposer.cfg.num_depths
+    if tree is not None and num_drafts is None:
+      num_drafts = check_tree(tree, max_depth=k_max).depth
+    k = k_max if num_drafts is None else validate.integer("num_drafts", num_drafts, 1, k_max)
+    if tree is not None:
+      check_tree(tree, num_drafts=k)
+  temperature, top_k, top_p = validate.sampling(temperature, top_k, top_p)
+  seed = validate.integer("seed", seed, 0, 2**32 - 1)  # jax.random.key keeps the low 32 bits
+  eos_token_id = validate.optional_int("eos_token_id", eos_token_id, 0, v - 1)
+  if relaxed is not None:
+    if not isinstance(relaxed, (tuple, list)) or len(relaxed) != 2:
+      raise validate.InvalidType("relaxed", f"relaxed must be a (top_n, delta) pair, got {relaxed!r}")
+    if temperature != 0:
+      raise validate.InvalidValue("relaxed", "relaxed acceptance is a greedy option; use temperature=0")
+    if proposer is None:
+      raise validate.InvalidValue("relaxed", "relaxed acceptance verifies drafts: it needs a proposer")
+    relaxed = Relaxed(validate.positive_int("relaxed[0]", relaxed[0], v),
+                      validate.real("relaxed[1]", relaxed[1], 0.0, 1.0))
+  validate.one_of("draft_masks", draft_masks, DRAFT_MASKS)
+  if grammar is not None:
+    validate.instance("grammar", grammar, grammar_lib.Grammar, "a mtp_jax.grammar.Grammar")
+    if eos_token_id is None:
+      raise validate.InvalidValue("eos_token_id", "a grammar ends sequences with eos: pass eos_token_id "
+                                                  f"(the grammar's is {grammar.eos_token_id})")
+    if eos_token_id != grammar.eos_token_id:
+      raise validate.InvalidValue("eos_token_id", f"eos_token_id={eos_token_id} differs from the grammar's "
+                                                  f"eos_token_id={grammar.eos_token_id}")
+    if grammar.vocab_size > v:
+      raise validate.InvalidValue(
+          "grammar", f"grammar has {grammar.vocab_size} tokens, more than the target's vocab_size={v}")
+  return Decoding(num_drafts=k, sampling=Sampling(temperature, top_k, top_p), seed=seed,
+                  eos_token_id=eos_token_id, relaxed=relaxed, tree=tree, draft_masks=draft_masks)
+
+
+def check_prompt(name: str, prompt, vocab_size: int) -> np.ndarray:
+  """One prompt as int64[len], refused by `name` unless a non-empty flat list of ids in 0..V-1."""
+  if isinstance(prompt, (str, bytes)) or not isinstance(prompt, (Sequence, np.ndarray)):
+    raise validate.InvalidType(name, f"{name} must be a list of token ids, got {type(prompt).__name__}")
+  if len(prompt) == 0:
+    raise validate.InvalidValue(name, f"{name} is empty; every prompt needs at least one token")
+  arr = np.asarray(prompt)
+  if arr.ndim != 1 or not np.issubdtype(arr.dtype, np.integer) or arr.dtype == np.bool_:
+    raise validate.InvalidType(name, f"{name} must be a flat list of int token ids, got {arr.dtype} "
+                                     f"values of shape {list(arr.shape)}")
+  bad = arr[(arr < 0) | (arr >= vocab_size)]
+  if bad.size:
+    raise validate.InvalidValue(name, f"{name} has token id(s) {bad[:5].tolist()} outside 0..vocab_size-1="
+                                      f"{vocab_size - 1}")
+  return arr.astype(np.int64)
+
+
+def check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
+  """Each prompt as int64[len], checked: a non-empty sequence of non-empty int token lists in 0..V-1."""
+  if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (Sequence, np.ndarray)):
+    raise validate.InvalidType("prompts", f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+  if len(prompts) == 0:
+    raise validate.InvalidValue("prompts", "prompts must be a non-empty list of token lists")
+  validate.integer("len(prompts)", len(prompts), 1)
+  return [check_prompt(f"prompts[{i}]", p, vocab_size) for i, p in enumerate(prompts)]
+
+
+def paging(max_len: int, page_size, num_pages, batch_size: int) -> tuple[int, int]:
+  """(page_size, num_pages) checked for caches of max_len rows; num_pages defaults to as many
+  pages as contiguous caches of batch_size x max_len rows hold."""
+  page_size = validate.positive_int("page_size", page_size)
+  num_pages = batch_size * (max_len // page_size) if num_pages is None else num_pages
+  check_paging(max_len, page_size, num_pages)
+  return page_size, num_pages

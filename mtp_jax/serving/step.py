@@ -1,0 +1,489 @@
+"""The decode step: target verify + accept + `after_verify` + `propose` as one jitted program.
+
+`DecodeStep(settings)` picks its parts once, on the host, from the static `StepSettings`:
+
+    drafter   `Drafter`: a chain of k drafts or a `TreeSpec` tree (propose, catch_up=False)
+    verifier  `VerifyPlain` (no proposer), `VerifyGreedy`, `VerifySampling`, `VerifyRelaxed`,
+              `VerifyTreeGreedy`, `VerifyTreeSampling`, `VerifyTreeRelaxed` (mtp_jax/verify.py's rules)
+    caches    the target's and the proposer's states own theirs: dense or paged, GQA or MLA,
+              on a mesh or not; the step only asks them for out-of-pages flags, page needs,
+              budgets and growth
+
+Per sequence b the loop state keeps `last[b]`, the newest emitted token (not yet run by the
+target), and `drafts[b]`, the k drafts (or N tree nodes) that follow it. A step runs the target
+on [last, drafts], accepts a drafts, emits them and the target's next token, keeps the target
+cache rows of [last, d_1..d_a] (a tree's accepted path is moved into place first), and hands
+the chain exactly those a + 1 positions.
+
+With a grammar, `grammar_state[b]` is the state after every emitted token (`last` included).
+Verify position i is masked with the state after [emitted, d_1..d_i] (a tree node: after its
+path), the state then advances over the accepted drafts and the next token, and the chain
+drafts from it. All of it runs on device.
+
+`prefill` admits prompts into chosen slots of a state (all of them for `generate`, the newly
+admitted ones for the Engine); the other slots pass through untouched. `generate` and the
+Engine are drivers over these two functions (`jit_prefill`, `jit_step`, `jit_run`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax import grammar as grammar_lib
+from mtp_jax import proposer as prop
+from mtp_jax import sharding
+from mtp_jax.sampling import sample
+from mtp_jax.serving.options import Sampling, StepSettings
+from mtp_jax.target import TargetState, compact_target, init_target_state, reset_target_slots, target_step, trim_target
+from mtp_jax.tree import TreeSpec, node_states
+from mtp_jax.verify import (verify_greedy, verify_relaxed, verify_sampling, verify_tree_greedy, verify_tree_relaxed,
+                            verify_tree_sampling)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+  """Everything a step carries; all arrays per sequence slot (B) unless noted.
+
+  target, proposer: the models' states (proposer None without drafts); last int32[B];
+  drafts int32[B, k] or a tree's int32[B, N]; grammar_state int32[B] after the emitted tokens
+  (None without a grammar); out int32[B, W] emitted tokens, num_out int32[B]; done bool[B]
+  (free slots are done); max_new int32[B]: the slot's token limit; key: the PRNG key; target_calls, verify_calls, accepted (emitted
+  drafts), target_tokens (emitted target tokens): int32[B]; accepted_at int32[k]: steps whose
+  draft i was accepted (all slots); tree_probs float32[B, M, V]: a sampled tree's draft
+  distributions, else None.
+  """
+
+  target: TargetState
+  proposer: prop.ProposerState | None
+  last: jax.Array
+  drafts: jax.Array
+  grammar_state: jax.Array | None
+  out: jax.Array
+  num_out: jax.Array
+  done: jax.Array
+  max_new: jax.Array
+  key: jax.Array
+  target_calls: jax.Array
+  verify_calls: jax.Array
+  accepted: jax.Array
+  target_tokens: jax.Array
+  accepted_at: jax.Array
+  tree_probs: jax.Array | None = None
+
+  def set(self, **changes) -> "LoopState":
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def out_of_pages(self) -> jax.Array:
+    """bool[B]: slots refused a page by the target's or the proposer's allocator."""
+    oom_B = self.target.out_of_pages
+    return oom_B if self.proposer is None else oom_B | self.proposer.out_of_pages
+
+
+class Verdict(typing.NamedTuple):
+  """A verifier's answer: accepted int32[B] drafts, the next token int32[B], and for trees the
+  accepted path int32[B, k + 1] (tree nodes by depth, the root first), else None."""
+
+  accepted: jax.Array
+  next_token: jax.Array
+  path: jax.Array | None = None
+
+
+# The verifiers. verify(logits float32[B, R, V] (masked by the grammar), drafts int32[B, R - 1],
+# draft_probs (float32[B, k, V] for a chain, [B, M, V] for a tree, or None when greedy), key,
+# allowed bool[B, R - 1] (drafts the grammar allows, or None)) -> Verdict.
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyPlain:
+  """No drafts: the next token is drawn from the target's first row."""
+
+  sampling: Sampling
+
+  def verify(self, logits, drafts, draft_probs, key, allowed) -> Verdict:
+    del drafts, draft_probs, allowed
+    next_B, _ = sample(logits[:, 0], key, **self.sampling.kwargs())
+    return Verdict(jnp.zeros(next_B.shape, jnp.int32), next_B)
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyGreedy:
+  """The longest draft prefix equal to the target's argmax (`verify_greedy`)."""
+
+  def verify(self, logits, drafts, draft_probs, key, allowed) -> Verdict:
+    return Verdict(*verify_greedy(logits, drafts))
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifySampling:
+  """Lossless speculative sampling (`verify_sampling`)."""
+
+  sampling: Sampling
+
+  def verify(self, logits, drafts, draft_probs, key, allowed) -> Verdict:
+    return Verdict(*verify_sampling(logits, drafts, draft_probs, key, **self.sampling.kwargs()))
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyRelaxed:
+  """LOSSY relaxed acceptance, capped at the first draft the grammar forbids (`verify_relaxed`)."""
+
+  top_n: int
+  delta: float
+
+  def verify(self, logits, drafts, draft_probs, key, allowed) -> Verdict:
+    return Verdict(*verify_relaxed(logits, drafts, top_n=self.top_n, delta=self.delta, allowed_BxK=allowed))
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyTreeGreedy:
+  """The deepest tree node whose path equals the target's argmax (`verify_tree_greedy`)."""
+
+  tree: TreeSpec
+
+  def verify(self, logits, drafts, draft_probs, key, allowed) -> Verdict:
+    return Verdict(*verify_tree_greedy(logits, drafts, self.tree))
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyTreeSampling:
+  """Multi-candidate rejection sampling over the tree (`verify_tree_sampling`), lossless."""
+
+  tree: TreeSpec
+  sampling: Sampling
+
+  def verify(self, logits, drafts, draft_probs, key, allowed) -> Verdict:
+    return Verdict(*verify_tree_sampling(logits, drafts, draft_probs, key, self.tree, **self.sampling.kwargs()))
+
+
+@dataclasses.dataclass(frozen=True)
+class VerifyTreeRelaxed:
+  """LOSSY relaxed acceptance along the tree's paths (`verify_tree_relaxed`)."""
+
+  tree: TreeSpec
+  top_n: int
+  delta: float
+
+  def verify(self, logits, drafts, draft_probs, key, allowed) -> Verdict:
+    return Verdict(*verify_tree_relaxed(logits, drafts, self.tree, top_n=self.top_n, delta=self.delta,
+                                        allowed_BxN=allowed))
+
+
+Verifier = (VerifyPlain | VerifyGreedy | VerifySampling | VerifyRelaxed | VerifyTreeGreedy | VerifyTreeSampling |
+            VerifyTreeRelaxed)
+
+
+def pick_verifier(settings: StepSettings) -> Verifier:
+  """The verification rule the settings ask for (chosen once, on the host)."""
+  s, tree, relaxed = settings.sampling, settings.tree, settings.relaxed
+  if settings.num_drafts == 0:
+    return VerifyPlain(s)
+  if relaxed is not None:
+    if tree is None:
+      return VerifyRelaxed(relaxed.top_n, relaxed.delta)
+    return VerifyTreeRelaxed(tree, relaxed.top_n, relaxed.delta)
+  if tree is None:
+    return VerifyGreedy() if s.greedy else VerifySampling(s)
+  return VerifyTreeGreedy(tree) if s.greedy else VerifyTreeSampling(tree, s)
+
+
+@dataclasses.dataclass(frozen=True)
+class Drafter:
+  """Drafts with `propose` at the loop's fixed k (only the k drafting modules run: catch_up=False):
+  a chain of k drafts, or the `tree`'s N nodes; with a grammar, drafts are masked as
+  draft_masks says ("per_position", "first" or "none", an ablation switch)."""
+
+  num_drafts: int
+  sampling: Sampling
+  tree: TreeSpec | None
+  draft_masks: str
+
+  def draft(self, proposer, grammar, pstate, hid_BxTxD, tokens_BxT, num_new_B, gstate_B, key):
+    """(drafts int32[B, k] or the tree's int32[B, N], a sampled tree's float32[B, M, V] or None, new state)."""
+    masked = self.draft_masks != "none" and grammar is not None
+    drafts, pstate = prop.propose(proposer, pstate, hid_BxTxD, tokens_BxT, num_new_B, self.num_drafts, key=key,
+                                  grammar=grammar if masked else None, grammar_state=gstate_B if masked else None,
+                                  catch_up=False, tree=self.tree, grammar_per_position=self.draft_masks == "per_position",
+                                  **self.sampling.kwargs())
+    if self.tree is None:
+      return drafts, None, pstate
+    return drafts.tokens, drafts.probs, pstate
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStep:
+  """The decode step for `settings` (static: one compile per value); see the module docstring.
+
+  A hashable value: pass it to the jitted functions below as a static argument.
+  """
+
+  settings: StepSettings
+
+  @functools.cached_property
+  def verifier(self) -> Verifier:
+    return pick_verifier(self.settings)
+
+  @functools.cached_property
+  def drafter(self) -> Drafter | None:
+    st = self.settings
+    return None if st.num_drafts == 0 else Drafter(st.num_drafts, st.sampling, st.tree, st.draft_masks)
+
+  def replace(self, **changes) -> "DecodeStep":
+    """The step for these settings with `changes` (StepSettings fields)."""
+    return DecodeStep(dataclasses.replace(self.settings, **changes))
+
+  def out_width(self) -> int:
+    """Output columns per slot: at most one token per cache row past its prompt, plus a step's k + 1."""
+    st = self.settings
+    return min(st.max_new_tokens, st.max_len) + st.num_drafts + 1
+
+  # -- state --
+
+  def init(self, target, proposer, grammar, batch_size: int, key) -> LoopState:
+    """A loop state whose slots are all free (done, no rows, no pages; grammar states FREE)."""
+    st, b, k = self.settings, batch_size, self.settings.num_drafts
+    paged = st.paging is not None
+    pages = dict(page_size=st.paging.page_size, num_pages=st.paging.num_pages) if paged else {}
+    tstate = init_target_state(target.cfg, b, st.max_len, **pages)
+    pstate = None
+    if proposer is not None:
+      # A sampled tree's draft distributions travel in the loop state, not in the proposer's.
+      keep_probs = not st.sampling.greedy and st.tree is None
+      pstate = prop.init_state(proposer.cfg, b, st.max_len, keep_draft_probs=keep_probs, **pages)
+    zeros = lambda: jnp.zeros((b,), jnp.int32)  # a buffer each: the state is donated
+    tree_probs = None
+    if st.tree is not None and not st.sampling.greedy:
+      tree_probs = jnp.zeros((b, st.tree.starts[st.tree.depth], target.cfg.vocab_size), jnp.float32)
+    s = LoopState(target=tstate, proposer=pstate, last=zeros(), drafts=jnp.zeros((b, st.rows_per_step - 1), jnp.int32),
+                  grammar_state=None if grammar is None else jnp.full((b,), grammar_lib.FREE, jnp.int32),
+                  out=jnp.zeros((b, self.out_width()), jnp.int32), num_out=zeros(), done=jnp.ones((b,), bool),
+                  max_new=zeros(), key=key, target_calls=zeros(), verify_calls=zeros(), accepted=zeros(), target_tokens=zeros(),
+                  accepted_at=jnp.zeros((k,), jnp.int32), tree_probs=tree_probs)
+    return self.placed(s)
+
+  def placed(self, s: LoopState) -> LoopState:
+    """s with its states' page budgets and, on a mesh, their shardings as the settings say."""
+    st = self.settings
+    budget = None if st.paging is None else st.paging.budget
+    tstate, pstate = s.target.with_page_budget(budget), s.proposer
+    pstate = None if pstate is None else pstate.with_page_budget(budget)
+    if st.mesh is not None:
+      tstate = sharding.shard_state(tstate, st.mesh)
+      pstate = None if pstate is None else sharding.shard_state(pstate, st.mesh)
+    return s.set(target=tstate, proposer=pstate)
+
+  def resized(self, s: LoopState) -> LoopState:
+    """s fitted to these settings (host side, between jitted calls): contiguous caches grown to
+    max_len rows and the output widened; paged, the page budget set. Rows and tokens are kept."""
+    st = self.settings
+    if st.paging is None and s.target.max_len < st.max_len:
+      s = s.set(target=s.target.grown(st.max_len), proposer=None if s.proposer is None else s.proposer.grown(st.max_len))
+    width = self.out_width()
+    if s.out.shape[1] < width:
+      s = s.set(out=jnp.pad(s.out, [(0, 0), (0, width - s.out.shape[1])]))
+    return self.placed(s)
+
+  def rows_next(self, s: LoopState) -> jax.Array:
+    """int32[B]: rows the next step adds at most per slot (its rows for unfinished ones)."""
+    return jnp.where(s.done, 0, self.settings.rows_per_step)
+
+  def pages_needed(self, s: LoopState, num_new_B) -> jax.Array:
+    """int32[]: pages a call adding num_new_B (int32[B]) rows per slot holds at most, in the target's
+    or the proposer's pool (their rows differ by a few): the page budget it needs."""
+    need = s.target.pages_needed(num_new_B)
+    return need if s.proposer is None else jnp.maximum(need, s.proposer.pages_needed(num_new_B))
+
+  def fits(self, s: LoopState) -> jax.Array:
+    """bool[]: every unfinished slot has room for one more step in the caches and, paged, the
+    pages the step may hold are within the page budget."""
+    st = self.settings
+    fits = jnp.all(s.done | (s.target.length + st.rows_per_step <= st.max_len))
+    if st.paging is not None:
+      fits &= self.pages_needed(s, self.rows_next(s)) <= st.paging.budget
+    return fits
+
+  # -- on device --
+
+  def _split(self, key):
+    """(carried key, key for the target's token, key for the drafts); greedy decoding draws nothing,
+    so it splits nothing (a split is a threefry loop per step on CPU)."""
+    if self.settings.sampling.greedy:
+      return key, None, None
+    return tuple(jax.random.split(key, 3))
+
+  def _emit(self, s: LoopState, new_BxJ, n_emit_B, active_B) -> tuple[LoopState, jax.Array]:
+    """Appends new_BxJ[:, :n] to the output, cut at eos and at the slot's max_new; returns (state, n int32[B])."""
+    st = self.settings
+    j = new_BxJ.shape[1]
+    n = jnp.minimum(n_emit_B, s.max_new - s.num_out)
+    hit_eos_B = jnp.zeros_like(active_B)
+    if st.eos_token_id is not None:
+      is_eos = (new_BxJ == st.eos_token_id) & (jnp.arange(j)[None] < n[:, None])
+      hit_eos_B = active_B & jnp.any(is_eos, axis=1)
+      n = jnp.where(hit_eos_B, jnp.argmax(is_eos, axis=1) + 1, n)
+    n = jnp.where(active_B, n, 0)
+    cols = jnp.where(jnp.arange(j)[None] < n[:, None], s.num_out[:, None] + jnp.arange(j)[None], s.out.shape[1])
+    out = s.out.at[jnp.arange(new_BxJ.shape[0])[:, None], cols].set(new_BxJ, mode="drop")
+    num_out = s.num_out + n
+    done = s.done | (num_out >= s.max_new) | hit_eos_B
+    return s.set(out=out, num_out=num_out, done=done), n
+
+  def prefill(self, target, proposer, grammar, s: LoopState, prompts_BxT, lens_B, admit_B, constrained_B,
+              max_new_B) -> LoopState:
+    """Admits prompts_BxT (int32[B, T], lens_B int32[B] long) into the slots where admit_B (bool[B]):
+    writes their prompt rows, emits their first token (under the grammar where constrained_B,
+    bool[B]) and drafts, and stops each after max_new_B (int32[B], <= settings.max_new_tokens)
+    tokens; the other slots' rows, drafts, grammar states and counters are unchanged."""
+    b = admit_B.shape[0]
+    zero = lambda x: jnp.where(admit_B, 0, x)
+    one = admit_B.astype(jnp.int32)
+    s = s.set(num_out=zero(s.num_out), done=s.done & ~admit_B, max_new=jnp.where(admit_B, max_new_B, s.max_new), target_calls=zero(s.target_calls) + one,
+              verify_calls=zero(s.verify_calls), accepted=zero(s.accepted), target_tokens=zero(s.target_tokens) + one)
+    logits, hid, tstate = target_step(target, s.target, prompts_BxT, jnp.where(admit_B, lens_B, 0))
+    key, k_first, k_draft = self._split(s.key)
+    gstate_B = s.grammar_state
+    if grammar is not None:
+      gstate_B = jnp.where(admit_B, grammar_lib.init_grammar_state(b, constrained_B), gstate_B)
+    last_logits = jnp.take_along_axis(logits, jnp.maximum(lens_B - 1, 0)[:, None, None], axis=1)[:, 0]
+    if grammar is not None:
+      last_logits = grammar_lib.apply_mask(last_logits, grammar_lib.token_mask(grammar, gstate_B, logits.shape[-1]))
+    first_B, _ = sample(last_logits, k_first, **self.settings.sampling.kwargs())
+    if grammar is not None:
+      gstate_B = jnp.where(admit_B, grammar_lib.advance(grammar, gstate_B, first_B), gstate_B)
+    ok_B = admit_B & ~tstate.out_of_pages
+    s, _ = self._emit(s.set(target=tstate, key=key), first_B[:, None], one, ok_B)
+    s = s.set(last=jnp.where(admit_B, first_B, s.last), grammar_state=gstate_B)
+    if proposer is None:
+      return self._stop_out_of_pages(s)
+    old = s.proposer
+    # Running slots get no new positions and no drafts to settle, so propose writes none of their rows.
+    pstate = old.set(num_drafted=jnp.where(admit_B, old.num_drafted, 0))
+    # Position j's token is t_{j+1}: the prompt shifted left, with the first generated token at the end.
+    tokens = jnp.concatenate([prompts_BxT[:, 1:], prompts_BxT[:, :1]], axis=1)
+    tokens = tokens.at[jnp.arange(b), jnp.maximum(lens_B - 1, 0)].set(first_B)
+    drafts, tree_probs, pstate = self.drafter.draft(proposer, grammar, pstate, hid, tokens, jnp.where(ok_B, lens_B, 0),
+                                                    gstate_B, k_draft)
+    keep = lambda new, prev: jnp.where(admit_B.reshape((b,) + (1,) * (new.ndim - 1)), new, prev)
+    pstate = pstate.set(num_drafted=keep(pstate.num_drafted, old.num_drafted),
+                        draft_probs=None if old.draft_probs is None else keep(pstate.draft_probs, old.draft_probs))
+    s = s.set(proposer=pstate, drafts=keep(drafts, s.drafts),
+              tree_probs=None if s.tree_probs is None else keep(tree_probs, s.tree_probs))
+    return self._stop_out_of_pages(s)
+
+  def _stop_out_of_pages(self, s: LoopState) -> LoopState:
+    # A sequence refused a page stops; the others go on (its pages and rows are its own).
+    return s.set(done=s.done | s.out_of_pages)
+
+  def __call__(self, target, proposer, grammar, s: LoopState) -> LoopState:
+    """One decode step over every slot (done slots pass through)."""
+    st = self.settings
+    k, tree = st.num_drafts, st.tree
+    b = s.last.shape[0]
+    active_B = ~s.done
+    key, k_verify, k_draft = self._split(s.key)
+    inp_BxR = jnp.concatenate([s.last[:, None], s.drafts], axis=1)  # with a tree: [last, its N nodes]
+    old_len = s.target.length
+    logits, hid, tstate = target_step(target, s.target, inp_BxR, jnp.where(active_B, inp_BxR.shape[1], 0), tree)
+    active_B = active_B & ~tstate.out_of_pages  # its logits are meaningless: emit nothing
+    allowed_BxN = None
+    if grammar is not None:
+      # Position i gives the token after [emitted, d_1..d_i]; a tree node, after [emitted, its path].
+      gstates_BxR = (grammar_lib.states_along(grammar, s.grammar_state, s.drafts) if tree is None else
+                     node_states(grammar, s.grammar_state, inp_BxR, tree))
+      mask_BxRxV = grammar_lib.token_mask(grammar, gstates_BxR, logits.shape[-1])
+      logits = grammar_lib.apply_mask(logits, mask_BxRxV)
+      parent_of = jnp.arange(k) if tree is None else jnp.asarray(tree.parents[1:])  # whose mask rules draft n
+      allowed_BxN = jnp.take_along_axis(mask_BxRxV[:, parent_of], s.drafts[..., None], axis=-1)[..., 0]
+    draft_probs = s.tree_probs if tree is not None else (
+        None if s.proposer is None or s.proposer.draft_probs is None else s.proposer.draft_probs[:, :k])
+    verdict = self.verifier.verify(logits, s.drafts, draft_probs, k_verify, allowed_BxN)
+    a_B, next_B, drafts_BxK = jnp.where(active_B, verdict.accepted, 0), verdict.next_token, s.drafts
+    if verdict.path is not None:  # a tree: its accepted path plays the drafts' part
+      path_BxK1 = verdict.path
+      if grammar is not None:
+        gstates_BxR = jnp.take_along_axis(gstates_BxR, path_BxK1, axis=1)
+      drafts_BxK = jnp.take_along_axis(inp_BxR, path_BxK1[:, 1:], axis=1)
+      hid = jnp.take_along_axis(hid, path_BxK1[..., None], axis=1)
+      # The target keeps the root and the accepted path: its nodes' rows move into place.
+      tstate = compact_target(tstate, old_len, path_BxK1, a_B)
+    new_BxK1 = jnp.concatenate([drafts_BxK, jnp.zeros((b, 1), jnp.int32)], axis=1)
+    new_BxK1 = new_BxK1.at[jnp.arange(b), a_B].set(next_B)
+    s2, n_B = self._emit(s, new_BxK1, a_B + 1, active_B)
+    # The target keeps its rows for [last, d_1..d_a]; the rest were rejected.
+    tstate = trim_target(tstate, old_len + jnp.where(active_B, a_B + 1, 0))
+    s2 = s2.set(target=tstate, last=jnp.where(active_B, next_B, s.last), key=key,
+                target_calls=s.target_calls + active_B, verify_calls=s.verify_calls + active_B,
+                accepted=s.accepted + jnp.minimum(a_B, n_B), target_tokens=s.target_tokens + (n_B == a_B + 1),
+                accepted_at=s.accepted_at + jnp.sum(active_B[:, None] & (jnp.arange(k)[None] < a_B[:, None]), axis=0))
+    if grammar is not None:
+      after_drafts_B = jnp.take_along_axis(gstates_BxR, a_B[:, None], axis=1)[:, 0]
+      s2 = s2.set(grammar_state=jnp.where(active_B, grammar_lib.advance(grammar, after_drafts_B, next_B),
+                                          s.grammar_state))
+    if proposer is None:
+      return self._stop_out_of_pages(s2)
+    pstate = prop.after_verify(s.proposer, a_B)
+    num_new = jnp.where(s2.done, 0, a_B + 1)
+    drafts, tree_probs, pstate = self.drafter.draft(proposer, grammar, pstate, hid, new_BxK1, num_new,
+                                                    s2.grammar_state, k_draft)
+    return self._stop_out_of_pages(s2.set(proposer=pstate, drafts=drafts, tree_probs=tree_probs))
+
+  def run(self, target, proposer, grammar, s: LoopState) -> LoopState:
+    """Steps until every slot is done or one would outgrow the caches or the page budget (then
+    the host resizes: `resized`)."""
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done) & self.fits(s),
+                              lambda s: self(target, proposer, grammar, s), s)
+
+  def free(self, s: LoopState, mask_B) -> LoopState:
+    """Empties the slots where mask_B (bool[B]): done, and their pages back to the pools."""
+    s = s.set(target=reset_target_slots(s.target, mask_B), done=s.done | mask_B)
+    return s if s.proposer is None else s.set(proposer=prop.reset_slots(s.proposer, mask_B))
+
+
+# The jitted entry points. Each DONATES s (its caches are updated in place); `step` is static.
+
+@functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
+def jit_prefill(step: DecodeStep, target, proposer, grammar, s: LoopState, prompts_BxT, lens_B, admit_B,
+                constrained_B, max_new_B) -> LoopState:
+  return step.prefill(target, proposer, grammar, s, prompts_BxT, lens_B, admit_B, constrained_B, max_new_B)
+
+
+@functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
+def jit_step(step: DecodeStep, target, proposer, grammar, s: LoopState) -> LoopState:
+  return step(target, proposer, grammar, s)
+
+
+@functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
+def jit_run(step: DecodeStep, target, proposer, grammar, s: LoopState) -> LoopState:
+  return step.run(target, proposer, grammar, s)
+
+
+@functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
+def jit_free(step: DecodeStep, s: LoopState, mask_B) -> LoopState:
+  return step.free(s, mask_B)
+
+
+@functools.partial(jax.jit, static_argnames=("step",))
+def jit_fits(step: DecodeStep, s: LoopState) -> jax.Array:
+  return step.fits(s)
+
+
+@functools.partial(jax.jit, static_argnames=("step",))
+def jit_pages_needed(step: DecodeStep, s: LoopState, num_new_B) -> jax.Array:
+  return step.pages_needed(s, num_new_B)
+
+
+@functools.partial(jax.jit, static_argnames=("step", "batch_size"))
+def jit_generate(step: DecodeStep, target, proposer, grammar, prompts_BxT, lens_B, constrained_B, key,
+                 batch_size: int) -> LoopState:
+  """A whole batch in one program: a free state, the prefill of every slot, then `run`."""
+  s = step.init(target, proposer, grammar, batch_size, key)
+  admit_B = jnp.ones((batch_size,), bool)
+  max_new_B = jnp.full((batch_size,), step.settings.max_new_tokens, jnp.int32)
+  s = step.prefill(target, proposer, grammar, s, prompts_BxT, lens_B, admit_B, constrained_B, max_new_B)
+  return step.run(target, proposer, grammar, s)
