@@ -81,6 +81,17 @@ def test_constrained_and_free_requests_equal_generate_alone_under_the_grammar():
   _assert_matches([out[constrained]])
 
 
+def test_one_token_request_ends_at_its_prefill():
+  """max_new_tokens=1: the prefill's token is the whole output; no verify step is counted for it."""
+  engine = Engine(TARGET5, PROPOSER5, **SETTINGS)
+  one = engine.add_request([1, 2, 3], 1)
+  out = engine.run()
+  assert out[one] == _alone((1, 2, 3))[:1]
+  stats = engine.requests[one].stats
+  assert stats["verify_calls"] == 0 and stats["accepted_length"] != stats["accepted_length"]  # nan, as generate's
+  assert engine.free_pages() == SETTINGS["num_pages"]
+
+
 class TestErrors:
 
   def test_request_longer_than_the_engine_limit(self):
@@ -96,6 +107,14 @@ class TestErrors:
     assert e.value.argument == "constrained"
     with pytest.raises(TypeError, match="constrained must be a bool"):
       engine.add_request([1], 3, constrained="yes")
+    assert engine.num_waiting == 0
+
+  def test_prompt_of_the_wrong_type(self):
+    engine = Engine(TARGET5, PROPOSER5, **SETTINGS)
+    for bad in (None, "abc", [1.5, 2.0], [[1, 2]]):
+      with pytest.raises(TypeError, match="prompt must be a") as e:
+        engine.add_request(bad, 4)
+      assert e.value.argument == "prompt"
     assert engine.num_waiting == 0
 
   def test_grammar_needs_its_eos(self):
