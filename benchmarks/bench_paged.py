@@ -13,7 +13,7 @@ the two layouts' emitted tokens must agree. Run: python benchmarks/bench_paged.p
 from __future__ import annotations
 
 import argparse
-import importlib
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -27,7 +27,7 @@ except ImportError:  # run as `python benchmarks/x.py` from a checkout that is n
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
   import mtp_jax
 
-gen = importlib.import_module("mtp_jax.generate")
+from mtp_jax import serving  # noqa: E402
 
 K = 3
 FULL = dict(sizes=dict(vocab_size=258, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
@@ -46,20 +46,19 @@ def _cache_bytes(s) -> int:
   return _bytes((s.target.kv, s.proposer.kv))
 
 
-def _run(target, proposer, prompts, cfg, steps):
+def _run(target, proposer, prompts, settings, steps):
   """(per-step seconds, emitted tokens, their counts, cache bytes, target rows in use) over `steps` steps."""
   b = len(prompts)
-  t = -(-max(len(p) for p in prompts) // gen.PROMPT_BUCKET) * gen.PROMPT_BUCKET
-  prompts_BxT = np.zeros((b, t), np.int32)
-  for i, p in enumerate(prompts):
-    prompts_BxT[i, :len(p)] = p
-  lens = np.array([len(p) for p in prompts], np.int32)
-  s = gen._start_jit(target, proposer, None, prompts_BxT, lens, None, jax.random.key(0), cfg)
-  s = jax.block_until_ready(gen._step_jit(target, proposer, None, s, cfg))  # compile
+  step = serving.DecodeStep(settings)
+  prompts_BxT, lens = serving.generate_lib.padded_prompts(prompts, b, range(b))
+  s = step.init(target, proposer, None, b, jax.random.key(0))
+  s = serving.jit_prefill(step, target, proposer, None, s, prompts_BxT, lens, np.ones(b, bool), np.zeros(b, bool),
+                          np.full(b, settings.max_new_tokens, np.int32))
+  s = jax.block_until_ready(serving.jit_step(step, target, proposer, None, s))  # compile
   times = []
   for _ in range(steps):
     t0 = time.perf_counter()
-    s = jax.block_until_ready(gen._step_jit(target, proposer, None, s, cfg))
+    s = jax.block_until_ready(serving.jit_step(step, target, proposer, None, s))
     times.append(time.perf_counter() - t0)
   return np.array(times), np.asarray(s.out), np.asarray(s.num_out), _cache_bytes(s), int(np.sum(s.target.length))
 
@@ -89,13 +88,12 @@ def main(argv=None) -> None:
     need = int(sum(-(-(int(n) + (steps + 2) * (K + 1)) // ps) for n in lens))
     num_pages = max(b * (max_len // ps) // 2, need)
     budget = mtp_jax.blocks.paged.budget_bucket(need, num_pages)
-    settings = dict(num_drafts=K, max_new_tokens=max_len, temperature=0.0, top_k=None, top_p=None,
-                    eos_token_id=None, relaxed=None, max_len=max_len, draft_masks="per_position")
+    settings = serving.StepSettings(num_drafts=K, max_new_tokens=max_len, max_len=max_len)
     outs, base = [], None
-    for layout, extra, rows in (("contiguous", {}, b * max_len),
-                                ("paged", dict(page_size=ps, num_pages=num_pages, page_budget=budget), budget * ps)):
-      times, out, num_out, cache_bytes, in_use = _run(target, proposer, prompts, gen._Settings(**settings, **extra),
-                                                      steps)
+    for layout, paging, rows in (("contiguous", None, b * max_len),
+                                 ("paged", serving.Paging(ps, num_pages, budget), budget * ps)):
+      times, out, num_out, cache_bytes, in_use = _run(target, proposer, prompts,
+                                                      dataclasses.replace(settings, paging=paging), steps)
       outs.append((out, num_out))
       base = base or rows
       times = times * 1e3

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import mtp_jax  # noqa: E402
 from mtp_jax import data, demo  # noqa: E402
-from mtp_jax.generate import generate  # noqa: E402
+from mtp_jax.serving import generate  # noqa: E402
 
 ZEROED = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 

@@ -33,10 +33,6 @@ QUICK = dict(sizes=dict(vocab_size=64, hidden_size=64, num_heads=4, num_kv_heads
              prompt_lens=(4, 40), output_lens=(4, 24), max_len=96, page_size=16, num_pages=8)
 
 
-def _bytes(tree) -> int:
-  return sum(x.nbytes for x in jax.tree_util.tree_leaves(tree))
-
-
 def _engine_pass(target, proposer, requests, opts):
   engine = mtp_jax.Engine(target, proposer, max_batch=opts["max_batch"], max_len=opts["max_len"],
                           page_size=opts["page_size"], num_pages=opts["num_pages"], num_drafts=K)
@@ -44,8 +40,7 @@ def _engine_pass(target, proposer, requests, opts):
   ids = [engine.add_request(p, m) for p, m in requests]
   out = engine.run()
   wall = time.perf_counter() - t0
-  s = engine._s
-  return wall, [out[i] for i in ids], _bytes((s.target.kv, s.proposer.kv)), engine
+  return wall, [out[i] for i in ids], engine.metrics()["cache_bytes"], engine
 
 
 def _generate_pass(target, proposer, requests, opts):

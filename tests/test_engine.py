@@ -1,6 +1,7 @@
 """The continuous-batching engine: each request's greedy output equals generate on it alone."""
 
 import functools
+import time
 
 import pytest
 
@@ -92,6 +93,35 @@ def test_one_token_request_ends_at_its_prefill():
   assert engine.free_pages() == SETTINGS["num_pages"]
 
 
+def test_metrics_deadlines_and_a_bounded_queue_return_every_page():
+  """Mixed finish / cancel / timeout / refused-by-a-full-queue: counters add up, the Prometheus text
+  carries them, and every slot and page comes back."""
+  engine = Engine(TARGET5, PROPOSER5, **SETTINGS, max_waiting=2)
+  done = engine.add_request([1, 2, 3], 12)
+  late = engine.add_request([4, 0, 1], 20, deadline_s=1e-3)  # past its deadline at the first step
+  with pytest.raises(mtp_jax.serving.QueueFull, match="max_waiting=2"):
+    engine.add_request([3], 4)
+  time.sleep(0.01)
+  engine.step()
+  assert engine.requests[late].status == "timed_out"
+  dropped = engine.add_request([2, 2], LONGEST)
+  engine.step()
+  engine.cancel(dropped)
+  engine.run()
+  m = engine.metrics()
+  assert engine.requests[done].tokens == _alone((1, 2, 3))[:12]
+  assert (m["requests_finished_total"], m["requests_cancelled_total"], m["requests_running"]) == (1, 2, 0)
+  assert m["tokens_generated_total"] == sum(len(r.tokens) for r in engine.requests.values())
+  assert m["verify_steps_total"] == sum(r.verify_calls for r in engine.requests.values()) > 0
+  assert m["drafts_proposed_total"] == K * m["verify_steps_total"]
+  assert m["drafts_accepted_total"] == sum(m["drafts_accepted_at"]) > 0
+  assert m["pages_in_use"] == 0 and engine.free_pages() == SETTINGS["num_pages"] and engine.num_running == 0
+  assert m["ttft_seconds_p50"] > 0 and m["itl_seconds_p99"] >= m["itl_seconds_p50"] >= 0
+  text = mtp_jax.serving.prometheus_text(m)
+  assert "# TYPE mtp_jax_requests_finished_total counter\nmtp_jax_requests_finished_total 1\n" in text
+  assert 'mtp_jax_drafts_accepted_at{position="1"} ' in text and 'mtp_jax_ttft_seconds{quantile="0.99"}' in text
+
+
 class TestErrors:
 
   def test_request_longer_than_the_engine_limit(self):
@@ -108,6 +138,14 @@ class TestErrors:
     with pytest.raises(TypeError, match="constrained must be a bool"):
       engine.add_request([1], 3, constrained="yes")
     assert engine.num_waiting == 0
+
+  def test_deadline_and_queue_bound(self):
+    with pytest.raises(ValueError, match=r"max_waiting must be an int in 0\.\.\d+, got -1"):
+      Engine(TARGET5, PROPOSER5, **SETTINGS, max_waiting=-1)
+    engine = Engine(TARGET5, PROPOSER5, **SETTINGS)
+    with pytest.raises(ValueError, match="deadline_s") as e:
+      engine.add_request([1], 3, deadline_s=0)
+    assert e.value.argument == "deadline_s" and engine.num_waiting == 0
 
   def test_prompt_of_the_wrong_type(self):
     engine = Engine(TARGET5, PROPOSER5, **SETTINGS)

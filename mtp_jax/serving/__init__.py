@@ -4,13 +4,17 @@
     step.py      DecodeStep: drafter + verifier over the models' caches; prefill, step, run
     generate.py  generate: one fixed batch to its end
     engine.py    Engine: requests come and go, slots refilled as they free
+    metrics.py   latency samples and the Prometheus text format of Engine.metrics()
 """
 
 from mtp_jax.serving.options import Paging, Relaxed, Sampling, StepSettings
 from mtp_jax.serving.step import (DecodeStep, Drafter, LoopState, Verdict, jit_prefill, jit_run, jit_step,
                                   pick_verifier)
+from mtp_jax.serving import generate as generate_lib
 from mtp_jax.serving.generate import GenerateOutput, generate
-from mtp_jax.serving.engine import Engine, Request
+from mtp_jax.serving.engine import Engine, QueueFull, Request
+from mtp_jax.serving.metrics import prometheus_text
 
 __all__ = ["Paging", "Relaxed", "Sampling", "StepSettings", "DecodeStep", "Drafter", "LoopState", "Verdict",
-           "jit_prefill", "jit_run", "jit_step", "pick_verifier", "GenerateOutput", "generate", "Engine", "Request"]
+           "jit_prefill", "jit_run", "jit_step", "pick_verifier", "GenerateOutput", "generate", "Engine", "QueueFull", "Request",
+           "prometheus_text"]

@@ -32,6 +32,7 @@ from mtp_jax import validate
 from mtp_jax.blocks.paged import budget_bucket
 from mtp_jax.mtp import MtpModel
 from mtp_jax.serving import options
+from mtp_jax.serving.metrics import Samples
 from mtp_jax.serving.generate import padded_prompts
 from mtp_jax.serving.options import Paging, StepSettings
 from mtp_jax.serving.step import DecodeStep, jit_free, jit_pages_needed, jit_prefill, jit_step
@@ -39,12 +40,17 @@ from mtp_jax.target import TargetModel
 from mtp_jax.tree import TreeSpec
 
 
+class QueueFull(RuntimeError):
+  """add_request on an engine whose waiting queue holds max_waiting requests (a server answers 429 / 503)."""
+
+
 @dataclasses.dataclass
 class Request:
   """One request's host-side record.
 
-  status: "waiting", "running", "finished", "cancelled" or "out_of_pages" (stopped by the
-  device allocator; admission reserves pages, so only an engine built too small sees it).
+  status: "waiting", "running", "finished", "cancelled", "timed_out" (past its deadline_s) or
+  "out_of_pages" (stopped by the device allocator; admission reserves pages, so only an engine
+  built too small sees it).
   """
 
   id: int
@@ -56,7 +62,9 @@ class Request:
   slot: int | None = None
   pages: int = 0  # pages reserved in each pool while running
   verify_calls: int = 0
+  deadline_s: float | None = None
   arrived_at: float = 0.0
+  last_token_at: float | None = None
   first_token_at: float | None = None
   finished_at: float | None = None
 
@@ -91,6 +99,8 @@ class Engine:
       default all of them, as `generate`'s constrained); needs eos_token_id equal to its own.
     mesh: a `mtp_jax.sharding.make_mesh` mesh for the slots' states (shard the params with
       `shard_params`).
+    max_waiting: requests the queue may hold (default unbounded); `add_request` on a full queue
+      raises `QueueFull`, so an overloaded engine refuses work instead of growing without bound.
   """
 
   def __init__(self, target: TargetModel, proposer: MtpModel | None, *, max_batch: int = 8,
@@ -98,11 +108,13 @@ class Engine:
                num_drafts: int | None = None, temperature: float = 0.0, top_k: int | None = None,
                top_p: float | None = None, eos_token_id: int | None = None, seed: int = 0,
                grammar: grammar_lib.Grammar | None = None, relaxed: tuple[int, float] | None = None,
-               tree: TreeSpec | None = None, mesh: jax.sharding.Mesh | None = None):
+               tree: TreeSpec | None = None, mesh: jax.sharding.Mesh | None = None,
+               max_waiting: int | None = None):
     d = options.decoding(target, proposer, num_drafts=num_drafts, temperature=temperature, top_k=top_k,
                          top_p=top_p, seed=seed, eos_token_id=eos_token_id, relaxed=relaxed, tree=tree,
                          grammar=grammar)
     max_batch = validate.positive_int("max_batch", max_batch)
+    self.max_waiting = validate.optional_int("max_waiting", max_waiting, 0)
     rows = (d.num_drafts if tree is None else tree.num_nodes) + 1
     max_len = validate.integer("max_len", max_len, rows + 1)
     page_size, num_pages = options.paging(max_len, page_size, num_pages, max_batch)
@@ -120,6 +132,9 @@ class Engine:
     self._next_pages = None  # pages the next step needs, read with the last step's outputs
     self._ids = itertools.count()
     self.requests: dict[int, Request] = {}
+    self._ttft, self._itl = Samples(), Samples()
+    self._steps, self._step_seconds, self._verify_steps = 0, 0.0, 0
+    self._accepted_at = np.zeros((self.num_drafts,), np.int64)
 
   @property
   def page_budget(self) -> int:
@@ -128,15 +143,20 @@ class Engine:
 
   # -- requests --
 
-  def add_request(self, prompt: Sequence[int], max_new_tokens: int, *, constrained: bool | None = None) -> int:
-    """Queues a request; returns its id. Raises ValueError naming the argument and the limit.
+  def add_request(self, prompt: Sequence[int], max_new_tokens: int, *, constrained: bool | None = None,
+                  deadline_s: float | None = None) -> int:
+    """Queues a request; returns its id. Raises ValueError naming the argument and the limit, and
+    `QueueFull` when max_waiting requests are already waiting.
 
     constrained: decode under the engine's grammar (default: whenever the engine has one);
       False decodes free of it, as `generate`'s constrained[i] = False.
+    deadline_s: seconds from now after which the request is stopped, waiting or running
+      (status "timed_out", its slot and pages freed; the tokens so far are kept).
     """
     prompt = options.check_prompt("prompt", prompt, self.target.cfg.vocab_size).tolist()
     max_new_tokens = validate.positive_int("max_new_tokens", max_new_tokens)
     constrained = self.grammar is not None if constrained is None else validate.flag("constrained", constrained)
+    deadline_s = None if deadline_s is None else validate.real("deadline_s", deadline_s, 0.0, lo_open=True)
     if constrained and self.grammar is None:
       raise validate.InvalidValue("constrained", "constrained=True needs a grammar: pass Engine(..., grammar=...)")
     need = len(prompt) + max_new_tokens + self._rows
@@ -144,14 +164,19 @@ class Engine:
       what = "k + 1" if self._step.settings.tree is None else "the tree nodes + 1"
       raise validate.InvalidValue("prompt", f"request too long for the engine: len(prompt)={len(prompt)} + "
                                   f"max_new_tokens={max_new_tokens} + {what} = {need} > max_len={self.max_len}")
+    if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
+      raise QueueFull(f"the engine's waiting queue is full (max_waiting={self.max_waiting}); retry later")
     rid = next(self._ids)
     self.requests[rid] = Request(rid, prompt, max_new_tokens, constrained, pages=-(-need // self.page_size),
-                                 arrived_at=time.perf_counter())
+                                 deadline_s=deadline_s, arrived_at=time.perf_counter())
     self._waiting.append(rid)
     return rid
 
   def cancel(self, request_id: int) -> None:
     """Drops a waiting request or stops a running one (its slot and pages are freed at once)."""
+    self._stop(request_id, "cancelled")
+
+  def _stop(self, request_id: int, status: str) -> None:
     req = self.requests.get(request_id)
     if req is None:
       raise KeyError(f"request_id={request_id!r} is not a request of this engine")
@@ -161,7 +186,7 @@ class Engine:
       self._release([req.slot])
     else:
       return
-    req.status, req.finished_at = "cancelled", time.perf_counter()
+    req.status, req.finished_at = status, time.perf_counter()
 
   @property
   def num_running(self) -> int:
@@ -177,14 +202,45 @@ class Engine:
 
   # -- the loop --
 
+  def metrics(self) -> dict:
+    """Counters, gauges and latency quantiles (names and meanings: serving.metrics.DESCRIPTIONS);
+    `serving.prometheus_text` renders them. Reads the free page count from the device."""
+    status = collections.Counter(r.status for r in self.requests.values())
+    tokens = sum(len(r.tokens) for r in self.requests.values())
+    accepted = int(self._accepted_at.sum())
+    caches = (self._s.target.kv, None if self._s.proposer is None else self._s.proposer.kv)
+    return dict(
+        requests_running=self.num_running, requests_waiting=self.num_waiting,
+        requests_finished_total=status["finished"], requests_cancelled_total=status["cancelled"] + status["timed_out"],
+        requests_out_of_pages_total=status["out_of_pages"], tokens_generated_total=tokens,
+        verify_steps_total=self._verify_steps, drafts_proposed_total=self._verify_steps * self.num_drafts,
+        drafts_accepted_total=accepted, drafts_accepted_at=self._accepted_at.tolist(),
+        mean_accepted_length=(accepted / self._verify_steps + 1) if self._verify_steps else float("nan"),
+        pages_in_use=self.num_pages - self.free_pages(), pages_total=self.num_pages,
+        cache_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(caches)),
+        steps_total=self._steps,
+        step_seconds_mean=self._step_seconds / self._steps if self._steps else float("nan"),
+        **self._ttft.quantiles("ttft_seconds"), **self._itl.quantiles("itl_seconds"))
+
   def step(self) -> dict[int, list[int]]:
     """Admits, runs one speculative step, frees finished slots; returns the tokens each request gained."""
+    t0 = time.perf_counter()
+    self._expire(t0)
     self._admit_waiting()
     if not self.num_running:
       return {}
     self._rebudget(self._step.rows_next(self._s), self._next_pages)
     self._s = jit_step(self._step, self.target, self.proposer, self.grammar, self._s)
-    return self._collect()
+    gained = self._collect()
+    self._steps += 1
+    self._step_seconds += time.perf_counter() - t0
+    return gained
+
+  def _expire(self, now: float) -> None:
+    late = [r.id for r in self.requests.values() if r.status in ("waiting", "running") and
+            r.deadline_s is not None and now - r.arrived_at > r.deadline_s]
+    for rid in late:
+      self._stop(rid, "timed_out")
 
   def stream(self) -> Iterator[tuple[int, list[int]]]:
     """Steps until every request is done, yielding (request id, new tokens) as they come."""
@@ -237,10 +293,11 @@ class Engine:
   def _collect(self) -> dict[int, list[int]]:
     s = self._s
     # The next step's page need comes in the same read: freeing slots only lowers it.
-    num_out, out, done, oom, verify_calls, self._next_pages = jax.device_get(
-        (s.num_out, s.out, s.done, s.out_of_pages, s.verify_calls,
+    num_out, out, done, oom, verify_calls, accepted_at, self._next_pages = jax.device_get(
+        (s.num_out, s.out, s.done, s.out_of_pages, s.verify_calls, s.accepted_at,
          jit_pages_needed(self._step, s, self._step.rows_next(s))))
     self._next_pages = int(self._next_pages)
+    self._accepted_at = accepted_at.astype(np.int64)
     now = time.perf_counter()
     gained, finished = {}, []
     for slot, rid in enumerate(self._slots):
@@ -249,10 +306,17 @@ class Engine:
       req = self.requests[rid]
       new = out[slot, len(req.tokens):min(num_out[slot], req.max_new_tokens)].tolist()
       req.tokens += new
+      self._verify_steps += int(verify_calls[slot]) - req.verify_calls
       req.verify_calls = int(verify_calls[slot])
       gained[rid] = new
-      if new and req.first_token_at is None:
-        req.first_token_at = now
+      if new:
+        if req.first_token_at is None:  # the tokens arriving with the first one come without a gap
+          req.first_token_at = now
+          self._ttft.add(now - req.arrived_at)
+          self._itl.add(0.0, len(new) - 1)
+        else:
+          self._itl.add((now - req.last_token_at) / len(new), len(new))
+        req.last_token_at = now
       if done[slot] or len(req.tokens) >= req.max_new_tokens:
         req.status, req.finished_at = ("out_of_pages" if oom[slot] else "finished"), now
         finished.append(slot)

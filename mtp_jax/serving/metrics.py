@@ -1,0 +1,87 @@
+"""Serving metrics: latency samples kept on the host and the Prometheus text format.
+
+`Engine.metrics()` returns a flat dict of numbers (counters, gauges and quantiles, named as
+below); `prometheus_text` renders such a dict for a `/metrics` endpoint. Nothing here touches
+the device.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import numpy as np
+
+QUANTILES = (0.5, 0.9, 0.99)
+
+# name -> (Prometheus type, help); names ending in _seconds_p50 etc. are quantiles of a summary.
+DESCRIPTIONS = {
+    "requests_running": ("gauge", "Requests decoding in a slot."),
+    "requests_waiting": ("gauge", "Requests queued for a slot."),
+    "requests_finished_total": ("counter", "Requests that ended with all their tokens or eos."),
+    "requests_cancelled_total": ("counter", "Requests cancelled or past their deadline."),
+    "requests_out_of_pages_total": ("counter", "Requests stopped by the page allocator."),
+    "tokens_generated_total": ("counter", "Tokens emitted to requests."),
+    "verify_steps_total": ("counter", "Slot-steps of target verification (one per running request per step)."),
+    "drafts_proposed_total": ("counter", "Drafts verified (k per verify step)."),
+    "drafts_accepted_total": ("counter", "Drafts accepted."),
+    "drafts_accepted_at": ("counter", "Verify steps whose draft at this position was accepted."),
+    "mean_accepted_length": ("gauge", "Tokens per verify step (accepted drafts + 1)."),
+    "pages_in_use": ("gauge", "Pages held in the target's pool."),
+    "pages_total": ("gauge", "Pages in the target's pool."),
+    "cache_bytes": ("gauge", "Bytes of the target's and the proposer's KV caches."),
+    "steps_total": ("counter", "Jitted decode steps run."),
+    "step_seconds_mean": ("gauge", "Mean wall time of a decode step (host round trip included)."),
+    "ttft_seconds": ("summary", "Time from add_request to the first token."),
+    "itl_seconds": ("summary", "Time between a request's tokens (a step's tokens share its gap)."),
+}
+
+
+class Samples:
+  """The most recent `limit` values of a latency, for quantiles."""
+
+  def __init__(self, limit: int = 10_000):
+    self.values: collections.deque[float] = collections.deque(maxlen=limit)
+
+  def add(self, value: float, count: int = 1) -> None:
+    self.values.extend([value] * count)
+
+  def quantiles(self, name: str) -> dict[str, float]:
+    """{name_p50: .., name_p90: .., name_p99: ..}; NaN while there are no samples."""
+    if not self.values:
+      return {f"{name}_p{round(q * 100)}": math.nan for q in QUANTILES}
+    vals = np.quantile(np.asarray(self.values), QUANTILES)
+    return {f"{name}_p{round(q * 100)}": float(v) for q, v in zip(QUANTILES, vals)}
+
+
+def prometheus_text(metrics: dict, *, prefix: str = "mtp_jax_") -> str:
+  """The Prometheus text exposition format (version 0.0.4) of an `Engine.metrics()` dict.
+
+  Per-position acceptance (`drafts_accepted_at` list) becomes one labelled sample per position;
+  quantiles `X_p50` become a summary `X{quantile="0.5"}`. NaN is written as NaN.
+  """
+  lines = []
+  done = set()
+  for key, value in metrics.items():
+    base = key.rsplit("_p", 1)[0] if key.rsplit("_p", 1)[-1].isdigit() else key
+    if base in done:
+      continue
+    kind, help_text = DESCRIPTIONS.get(base, ("gauge", base.replace("_", " ") + "."))
+    name = prefix + base
+    lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+    if kind == "summary":
+      for q in QUANTILES:
+        lines.append(f'{name}{{quantile="{q}"}} {_number(metrics[f"{base}_p{round(q * 100)}"])}')
+    elif isinstance(value, (list, tuple)):
+      lines += [f'{name}{{position="{i + 1}"}} {_number(v)}' for i, v in enumerate(value)]
+    else:
+      lines.append(f"{name} {_number(value)}")
+    done.add(base)
+  return "\n".join(lines) + "\n"
+
+
+def _number(value) -> str:
+  value = float(value)
+  if math.isnan(value):
+    return "NaN"
+  return repr(int(value)) if value.is_integer() and abs(value) < 2**53 else repr(value)
