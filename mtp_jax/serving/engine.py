@@ -35,7 +35,7 @@ from mtp_jax.serving import options
 from mtp_jax.serving.metrics import Samples
 from mtp_jax.serving.generate import padded_prompts
 from mtp_jax.serving.options import Paging, StepSettings
-from mtp_jax.serving.step import DecodeStep, jit_free, jit_pages_needed, jit_prefill, jit_step
+from mtp_jax.serving.step import DecodeStep, jit_free, jit_pages_needed, jit_prefill, jit_run_for
 from mtp_jax.target import TargetModel
 from mtp_jax.tree import TreeSpec
 
@@ -101,6 +101,8 @@ class Engine:
       `shard_params`).
     max_waiting: requests the queue may hold (default unbounded); `add_request` on a full queue
       raises `QueueFull`, so an overloaded engine refuses work instead of growing without bound.
+    steps_per_call: decode steps one `step()` runs on device before the host reads the tokens
+      (fewer when a request finishes, or one when a waiting request could take a free slot).
   """
 
   def __init__(self, target: TargetModel, proposer: MtpModel | None, *, max_batch: int = 8,
@@ -109,12 +111,13 @@ class Engine:
                top_p: float | None = None, eos_token_id: int | None = None, seed: int = 0,
                grammar: grammar_lib.Grammar | None = None, relaxed: tuple[int, float] | None = None,
                tree: TreeSpec | None = None, mesh: jax.sharding.Mesh | None = None,
-               max_waiting: int | None = None):
+               max_waiting: int | None = None, steps_per_call: int = 4):
     d = options.decoding(target, proposer, num_drafts=num_drafts, temperature=temperature, top_k=top_k,
                          top_p=top_p, seed=seed, eos_token_id=eos_token_id, relaxed=relaxed, tree=tree,
                          grammar=grammar)
     max_batch = validate.positive_int("max_batch", max_batch)
     self.max_waiting = validate.optional_int("max_waiting", max_waiting, 0)
+    self.steps_per_call = validate.positive_int("steps_per_call", steps_per_call)
     rows = (d.num_drafts if tree is None else tree.num_nodes) + 1
     max_len = validate.integer("max_len", max_len, rows + 1)
     page_size, num_pages = options.paging(max_len, page_size, num_pages, max_batch)
@@ -223,14 +226,17 @@ class Engine:
         **self._ttft.quantiles("ttft_seconds"), **self._itl.quantiles("itl_seconds"))
 
   def step(self) -> dict[int, list[int]]:
-    """Admits, runs one speculative step, frees finished slots; returns the tokens each request gained."""
+    """Admits, runs up to steps_per_call speculative steps on device (one when a waiting request
+    could take a free slot; they end early when a request finishes), frees finished slots;
+    returns the tokens each request gained."""
     t0 = time.perf_counter()
     self._expire(t0)
     self._admit_waiting()
     if not self.num_running:
       return {}
-    self._rebudget(self._step.rows_next(self._s), self._next_pages)
-    self._s = jit_step(self._step, self.target, self.proposer, self.grammar, self._s)
+    n = 1 if self._waiting and None in self._slots else self.steps_per_call
+    self._rebudget(self._step.rows_next(self._s) * self.steps_per_call, self._next_pages)
+    self._s = jit_run_for(self._step, self.target, self.proposer, self.grammar, self._s, n)
     gained = self._collect()
     self._steps += 1
     self._step_seconds += time.perf_counter() - t0
@@ -280,7 +286,7 @@ class Engine:
                           constrained_B, max_new_B)
 
   def _rebudget(self, num_new_B, pages_needed: int | None = None) -> None:
-    """Sets the page budget of the next call, which adds num_new_B rows (int32[B]) per slot: it
+    """Sets the page budget of the next call, which adds at most num_new_B rows (int32[B]) per slot: it
     follows the pages in flight up and down (one compile per budget, reused when it comes back).
     pages_needed: the pages that call needs when the host already has them (else read here)."""
     if pages_needed is None:
@@ -295,7 +301,7 @@ class Engine:
     # The next step's page need comes in the same read: freeing slots only lowers it.
     num_out, out, done, oom, verify_calls, accepted_at, self._next_pages = jax.device_get(
         (s.num_out, s.out, s.done, s.out_of_pages, s.verify_calls, s.accepted_at,
-         jit_pages_needed(self._step, s, self._step.rows_next(s))))
+         jit_pages_needed(self._step, s, self._step.rows_next(s) * self.steps_per_call)))
     self._next_pages = int(self._next_pages)
     self._accepted_at = accepted_at.astype(np.int64)
     now = time.perf_counter()

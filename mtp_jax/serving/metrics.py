@@ -30,8 +30,8 @@ DESCRIPTIONS = {
     "pages_in_use": ("gauge", "Pages held in the target's pool."),
     "pages_total": ("gauge", "Pages in the target's pool."),
     "cache_bytes": ("gauge", "Bytes of the target's and the proposer's KV caches."),
-    "steps_total": ("counter", "Jitted decode steps run."),
-    "step_seconds_mean": ("gauge", "Mean wall time of a decode step (host round trip included)."),
+    "steps_total": ("counter", "Engine.step() calls that ran the device (each up to steps_per_call decode steps)."),
+    "step_seconds_mean": ("gauge", "Mean wall time of such a call (host round trip included)."),
     "ttft_seconds": ("summary", "Time from add_request to the first token."),
     "itl_seconds": ("summary", "Time between a request's tokens (a step's tokens share its gap)."),
 }
