@@ -446,7 +446,7 @@ def reset_slots(state: ProposerState, mask) -> ProposerState:
 
 
 def checked(fn):
-  """`fn` (`propose` or `after_verify`) with value checks, functionalised by `checkify`.
+  """`fn` (`propose`, `after_verify` or `target_step`) with value checks, functionalised by `checkify`.
 
   The wrapped function returns (error, outputs) and works under `jax.jit`; call
   `error.throw()` outside jit to raise `checkify.JaxRuntimeError` naming the argument and
