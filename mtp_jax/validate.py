@@ -186,21 +186,22 @@ def finite_logits(name: str, x):
                              f"{np.asarray(x)[at]} at index {list(at)}")
 
 
-PROB_ATOL = 1e-3  # |sum - 1| allowed for a distribution over V tokens summed in float32
+PROB_ATOL = 1e-3  # |sum - 1| allowed for a float32 distribution over V tokens
 
 
 def distributions(name: str, p):
   """Eager: every row p[..., :] (float[..., V]) is a distribution: finite, >= 0, summing to 1
-  within PROB_ATOL."""
+  within PROB_ATOL (float32, float64), or 4 ulps of 1 for coarser dtypes (bfloat16: 0.03)."""
+  atol = max(PROB_ATOL, 4 * float(jnp.finfo(p.dtype).eps))
   p = np.asarray(p, np.float32)
   bad = ~np.isfinite(p) | (p < 0)
   if bad.any():
     at = tuple(int(i) for i in np.argwhere(bad)[0])
     raise InvalidValue(name, f"{name} must be finite and >= 0 (probabilities); found {p[at]} at index {list(at)}")
   off = np.abs(p.sum(-1) - 1)
-  if off.size and off.max() > PROB_ATOL:
+  if off.size and off.max() > atol:
     at = tuple(int(i) for i in np.unravel_index(np.argmax(off), off.shape))
-    raise InvalidValue(name, f"{name} rows must sum to 1 (within {PROB_ATOL}); row {list(at)} sums to "
+    raise InvalidValue(name, f"{name} rows must sum to 1 (within {atol}); row {list(at)} sums to "
                              f"{float(p[at].sum())}")
 
 

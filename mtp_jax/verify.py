@@ -26,14 +26,17 @@ def _at(x_BxKx, a_B):
 
 
 def _check(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV=None):
-  """(B, k, V) of the arguments, their dtypes and shapes checked, and their values when concrete."""
+  """(logits, drafts, draft_probs or None) as jax arrays, their dtypes and shapes checked, and their
+  values when concrete."""
   logits_BxK1xV = validate.array("logits", logits_BxK1xV, (None, None, None), kind="float", dims="[B, k + 1, V]")
   b, k1, v = logits_BxK1xV.shape
-  validate.array("drafts", drafts_BxK, (b, k1 - 1), kind="int", dims=f"[B={b}, k={k1 - 1}]")
+  drafts_BxK = validate.array("drafts", drafts_BxK, (b, k1 - 1), kind="int", dims=f"[B={b}, k={k1 - 1}]")
   if draft_probs_BxKxV is not None:
-    validate.array("draft_probs", draft_probs_BxKxV, (b, k1 - 1, v), kind="float", dims=f"[B={b}, k={k1 - 1}, V={v}]")
+    draft_probs_BxKxV = validate.array("draft_probs", draft_probs_BxKxV, (b, k1 - 1, v), kind="float",
+                                       dims=f"[B={b}, k={k1 - 1}, V={v}]")
   _check_values(v, logits=logits_BxK1xV, drafts=drafts_BxK, draft_probs=draft_probs_BxKxV)
-  return b, k1 - 1, v
+  return (jnp.asarray(logits_BxK1xV), jnp.asarray(drafts_BxK),
+          None if draft_probs_BxKxV is None else jnp.asarray(draft_probs_BxKxV))
 
 
 def _check_values(vocab_size, *, logits, drafts, draft_probs=None, drafts_name="drafts"):
@@ -62,7 +65,7 @@ def verify_greedy(logits_BxK1xV: jax.Array, drafts_BxK: jax.Array):
   logits_BxK1xV: float32[B, k + 1, V] target logits at [last token, d_1..d_k]; drafts_BxK: int32[B, k].
   Called eagerly, NaN or +inf logits and drafts outside 0..V-1 are refused (as in every rule here).
   """
-  _check(logits_BxK1xV, drafts_BxK)
+  logits_BxK1xV, drafts_BxK, _ = _check(logits_BxK1xV, drafts_BxK)
   greedy_BxK1 = jnp.argmax(logits_BxK1xV, axis=-1).astype(jnp.int32)
   a_B = _first_rejection(drafts_BxK == greedy_BxK1[:, :-1])
   return a_B, jnp.take_along_axis(greedy_BxK1, a_B[:, None], axis=1)[:, 0]
@@ -80,7 +83,8 @@ def verify_sampling(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV, key, *, temper
   >= 0, summing to 1 within validate.PROB_ATOL.
   """
   _positive_temperature(temperature, "verify_sampling")
-  _, k, _ = _check(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV)
+  logits_BxK1xV, drafts_BxK, draft_probs_BxKxV = _check(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV)
+  k = drafts_BxK.shape[1]
   if key is None:
     raise validate.InvalidValue("key", "verify_sampling needs a PRNG key")
   p_BxK1xV = filtered_probs(logits_BxK1xV, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -105,7 +109,8 @@ def _positive_temperature(temperature, rule):
 def verify_relaxed(logits_BxK1xV, drafts_BxK, *, top_n: int, delta: float):
   """LOSSY relaxed acceptance (greedy): accepts a draft that is among the target's top_n tokens and
   whose probability is within delta of the top-1's. Output may differ from the target's greedy output."""
-  _, k, v = _check(logits_BxK1xV, drafts_BxK)
+  logits_BxK1xV, drafts_BxK, _ = _check(logits_BxK1xV, drafts_BxK)
+  k, v = drafts_BxK.shape[1], logits_BxK1xV.shape[2]
   top_n = validate.positive_int("top_n", top_n, v)
   delta = validate.real("delta", delta, 0.0, 1.0)
   probs = jax.nn.softmax(logits_BxK1xV.astype(jnp.float32), axis=-1)
@@ -135,7 +140,8 @@ def verify_tree_greedy(logits_BxN1xV: jax.Array, tree_tokens_BxN: jax.Array, tre
   logits_BxN1xV = validate.array("logits", logits_BxN1xV, (None, tree.num_nodes + 1, None), kind="float",
                                  dims=f"[B, N + 1 = {tree.num_nodes + 1}, V]")
   b, _, v = logits_BxN1xV.shape
-  validate.array("tree_tokens", tree_tokens_BxN, (b, tree.num_nodes), kind="int", dims=f"[B={b}, N={tree.num_nodes}]")
+  tree_tokens_BxN = validate.array("tree_tokens", tree_tokens_BxN, (b, tree.num_nodes), kind="int",
+                                   dims=f"[B={b}, N={tree.num_nodes}]")
   check_tree(tree, vocab_size=v)
   _check_values(v, logits=logits_BxN1xV, drafts=tree_tokens_BxN, drafts_name="tree_tokens")
   greedy_BxN1 = jnp.argmax(logits_BxN1xV, axis=-1).astype(jnp.int32)
@@ -174,8 +180,9 @@ def verify_tree_sampling(logits_BxN1xV, tree_tokens_BxN, draft_probs_BxMxV, key,
   n1, m = tree.num_nodes + 1, tree.starts[tree.depth]
   logits_BxN1xV = validate.array("logits", logits_BxN1xV, (None, n1, None), kind="float", dims=f"[B, N + 1 = {n1}, V]")
   b, _, v = logits_BxN1xV.shape
-  validate.array("tree_tokens", tree_tokens_BxN, (b, n1 - 1), kind="int", dims=f"[B={b}, N={n1 - 1}]")
-  validate.array("draft_probs", draft_probs_BxMxV, (b, m, v), kind="float", dims=f"[B={b}, M={m}, V={v}]")
+  tree_tokens_BxN = validate.array("tree_tokens", tree_tokens_BxN, (b, n1 - 1), kind="int", dims=f"[B={b}, N={n1 - 1}]")
+  draft_probs_BxMxV = validate.array("draft_probs", draft_probs_BxMxV, (b, m, v), kind="float",
+                                     dims=f"[B={b}, M={m}, V={v}]")
   check_tree(tree, vocab_size=v)
   _check_values(v, logits=logits_BxN1xV, drafts=tree_tokens_BxN, draft_probs=draft_probs_BxMxV,
                 drafts_name="tree_tokens")

@@ -335,6 +335,9 @@ def test_verify_accepts_masked_logits_and_rounded_probs():
   rounded = PROBS.at[:, :, 0].add(validate.PROB_ATOL / 2)
   a, nxt = mtp_jax.verify_sampling(LOGITS, DRAFTS, rounded, jax.random.key(0), temperature=1.0)
   assert all(0 <= x <= 2 for x in np.asarray(a).tolist()) and all(0 <= x < 5 for x in np.asarray(nxt).tolist())
+  a, nxt = mtp_jax.verify_sampling(np.asarray(LOGITS).tolist(), [[1, 2], [3, 4]], np.asarray(PROBS).tolist(),
+                                   jax.random.key(0), temperature=1.0)  # nested lists are arrays too
+  assert np.asarray(a).shape == np.asarray(nxt).shape == (2,)
 
 
 @pytest.mark.parametrize("temperature", [1e-30, 1e-40])
