@@ -7,9 +7,11 @@ import codecs
 import dataclasses
 import sys
 
-from mtp_jax import demo, pretrained, train, validate
+from mtp_jax import demo, grammar, pretrained, train, validate
 from mtp_jax.serving import generate
-from mtp_jax.tree import TreeSpec
+from mtp_jax.tree import TreeSpec, check_tree
+
+DEFAULT_DRAFTS = 3
 
 
 def _model_name(args) -> str:
@@ -22,6 +24,27 @@ def _tree(text: str) -> TreeSpec:
     return TreeSpec(tuple(int(w) for w in text.split(",")))
   except (ValueError, TypeError) as e:
     raise argparse.ArgumentTypeError(f"widths like 3,2,1 (children per node at each depth): {e}") from e
+
+
+def _eos(text: str) -> int | str:
+  """`--eos ID` as an int, or "none"."""
+  if text == "none":
+    return text
+  try:
+    return int(text)
+  except ValueError as e:
+    raise argparse.ArgumentTypeError(f"a token id or none, got {text!r}") from e
+
+
+def _schema_text(value: str) -> str:
+  """`--json-schema`: the schema's JSON text, or @FILE for a file that holds it."""
+  if not value.startswith("@"):
+    return value
+  try:
+    with open(value[1:], encoding="utf-8") as f:
+      return f.read()
+  except (OSError, UnicodeDecodeError) as e:
+    raise validate.InvalidValue("--json-schema", f"--json-schema {value}: cannot read {value[1:]!r}: {e}") from e
 
 
 def _demo(args) -> int:
@@ -53,23 +76,49 @@ def _tokenizer_text(tok):
 
 
 def _generate(args) -> int:
+  num_drafts = args.num_drafts
+  if num_drafts is None:
+    num_drafts = DEFAULT_DRAFTS if args.tree is None else args.tree.depth
   if args.model:
-    target, proposer, config = pretrained.from_pretrained(args.model, dtype=args.dtype,
-                                                          max_depth=max(args.num_drafts, 1))
+    if args.checkpoint is not None or args.small:
+      raise validate.InvalidValue("--model", "--model names the model; drop --checkpoint / --small")
+    if args.regex is not None or args.json_schema is not None:
+      raise validate.InvalidValue("--regex" if args.regex is not None else "--json-schema",
+                                  "--regex / --json-schema need the token byte strings of the vocabulary, which "
+                                  "are read for the demo models' byte tokenizer only (not yet from tokenizer.json)")
+    max_depth = args.max_depth if args.max_depth is not None else max(num_drafts, 1)
+    target, proposer, config = pretrained.from_pretrained(args.model, dtype=args.dtype, max_depth=max_depth)
     tok = pretrained.load_tokenizer(args.model)
     prompt = tok.encode(args.prompt).ids
     eos = config.get("eos_token_id")
     eos = eos[0] if isinstance(eos, list) else eos
+    vocab = None
     text, flush = _tokenizer_text(tok)
   else:
-    target, proposer, tok = demo.load_demo(args.checkpoint, name=_model_name(args))
+    if args.dtype is not None:
+      raise validate.InvalidValue("--dtype", "--dtype applies to --model weights only")
+    target, proposer, tok = demo.load_demo(args.checkpoint, name=_model_name(args), max_depth=args.max_depth)
     # Training windows carry no BOS, so neither does the prompt.
     prompt = tok.encode(args.prompt, bos=False)
     eos = tok.eos_id
+    vocab = grammar.byte_vocab()
     text, flush = _byte_text()
-  num_drafts = validate.integer("--num-drafts", args.num_drafts, 0, proposer.cfg.num_depths)
+  if args.num_drafts is None and args.tree is not None:
+    check_tree(args.tree, max_depth=proposer.cfg.num_depths, argument="--tree")
+  num_drafts = validate.integer("--num-drafts", num_drafts, 0, proposer.cfg.num_depths)
   if not prompt:
     raise validate.InvalidValue("--prompt", "--prompt must not be empty")
+  if args.eos is not None:
+    eos = None if args.eos == "none" else args.eos
+  constraint = None
+  if args.regex is not None or args.json_schema is not None:
+    if eos is None:
+      raise validate.InvalidValue("--eos", "--regex / --json-schema end the text with EOS: drop --eos none")
+    eos = validate.integer("--eos", eos, 0, target.cfg.vocab_size - 1)
+    if args.regex is not None:
+      constraint = grammar.from_regex(args.regex, vocab, eos_token_id=eos)
+    else:
+      constraint = grammar.from_json_schema(_schema_text(args.json_schema), vocab, eos_token_id=eos)
 
   started = []
 
@@ -81,8 +130,8 @@ def _generate(args) -> int:
     sys.stdout.flush()
 
   out = generate(target, proposer if num_drafts > 0 else None, [prompt], args.max_new_tokens,
-                 num_drafts=num_drafts or None, temperature=args.temperature, seed=args.seed,
-                 eos_token_id=eos, stream=stream)
+                 num_drafts=num_drafts or None, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                 seed=args.seed, eos_token_id=eos, stream=stream, grammar=constraint, tree=args.tree)
   sys.stdout.write(flush() + "\n")
   print(f"[{out.stats['generated_tokens']} tokens, {out.stats['target_calls']} target calls, "
         f"mean accepted length {out.stats['mean_accepted_length']:.2f}]", file=sys.stderr)
@@ -97,7 +146,18 @@ _TRAIN_FLAGS = {  # flag -> TrainConfig field
     "mtp_weight": "mtp_weight", "stop_gradient": "stop_gradient", "eval_every": "eval_every",
     "save_every": "save_every", "seed": "seed",
 }
-_MODEL_FLAGS = ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "num_modules")
+_MODEL_FLAGS = {  # flag -> help; model_configs arguments
+    "hidden_size": "model width D", "num_layers": "target decoder layers",
+    "num_heads": "attention heads (must divide --hidden-size)", "num_kv_heads": "key / value heads (must divide "
+    "--num-heads)", "intermediate_size": "MLP hidden width", "num_modules": "MTP modules K",
+}
+_TRAIN_HELP = {
+    "steps": "optimizer steps", "batch_size": "windows per step", "seq_len": "bytes per training window",
+    "lr": "peak learning rate (linear warmup, then cosine decay)", "warmup_steps": "linear warmup steps, < --steps",
+    "weight_decay": "AdamW weight decay", "mtp_weight": "weight of the MTP modules' loss (DeepSeek-V3's lambda)",
+    "eval_every": "steps between held-out evaluations", "save_every": "steps between checkpoints",
+    "seed": "initialisation and data order seed",
+}
 
 
 def _train(args) -> int:
@@ -142,9 +202,9 @@ def build_parser() -> argparse.ArgumentParser:
   sub = parser.add_subparsers(dest="command", required=True)
 
   p = sub.add_parser("demo", help="speculative vs plain greedy decoding with the shipped models")
-  p.add_argument("--num-prompts", type=int, default=8)
+  p.add_argument("--num-prompts", type=int, default=8, help="held-out prompts to decode")
   p.add_argument("--prompt-len", type=int, default=64, help="bytes per held-out prompt")
-  p.add_argument("--max-new-tokens", type=int, default=128)
+  p.add_argument("--max-new-tokens", type=int, default=128, help="tokens generated per prompt")
   p.add_argument("--seed", type=int, default=0, help="which held-out prompts")
   p.add_argument("--repeats", type=int, default=3, help="timed passes, taken in turns; the median counts")
   p.add_argument("--ks", type=int, nargs="+", default=None, help="numbers of drafts to compare (default 1..K)")
@@ -158,12 +218,32 @@ def build_parser() -> argparse.ArgumentParser:
   p.set_defaults(func=_demo)
 
   p = sub.add_parser("generate", help="stream a continuation of one prompt")
-  p.add_argument("--prompt", required=True)
-  p.add_argument("--max-new-tokens", type=int, default=200)
-  p.add_argument("--num-drafts", type=int, default=3, help="k drafts per step; 0 decodes without the MTP modules")
-  p.add_argument("--temperature", type=float, default=0.0)
-  p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--checkpoint", default=None)
+  p.add_argument("--prompt", required=True, help="the text to continue (printed first, then the continuation)")
+  p.add_argument("--max-new-tokens", type=int, default=200, help="tokens to generate at most (fewer at EOS)")
+  p.add_argument("--num-drafts", type=int, default=None,
+                 help=f"k drafts per step (default {DEFAULT_DRAFTS}, or the --tree's depth); 0 decodes without "
+                      "the MTP modules")
+  p.add_argument("--temperature", type=float, default=0.0,
+                 help="sampling temperature; 0 decodes greedily (speculative sampling stays lossless)")
+  p.add_argument("--top-k", type=int, default=None, metavar="K",
+                 help="with --temperature > 0: sample from the K most likely tokens only")
+  p.add_argument("--top-p", type=float, default=None, metavar="P",
+                 help="with --temperature > 0: sample from the most likely tokens whose probability reaches P "
+                      "(0 < P <= 1)")
+  p.add_argument("--seed", type=int, default=0, help="random seed of the sampler (0..2**32-1)")
+  p.add_argument("--eos", type=_eos, default=None, metavar="ID",
+                 help="token id that ends the continuation (default the model's EOS); none: never stop early")
+  constraint = p.add_mutually_exclusive_group()
+  constraint.add_argument("--regex", default=None, metavar="PATTERN",
+                          help="constrain the continuation to text that fully matches PATTERN (Rust regex syntax)")
+  constraint.add_argument("--json-schema", default=None, metavar="SCHEMA",
+                          help="constrain the continuation to JSON valid under SCHEMA: its JSON text, or @FILE")
+  p.add_argument("--tree", type=_tree, default=None, metavar="W1,W2,..",
+                 help="draft a tree instead of a chain, e.g. 3,2,1: top-3 children of the root, top-2 of each "
+                      "of those, ...")
+  p.add_argument("--max-depth", type=int, default=None, metavar="N",
+                 help="let the proposer draft N deep, depths past its K modules cycling through them")
+  p.add_argument("--checkpoint", default=None, help="a training checkpoint directory instead of the shipped model")
   p.add_argument("--small", action="store_true", help=SMALL_HELP)
   p.add_argument("--model", default=None,
                  help="a released model directory (config.json, safetensors, tokenizer.json); see docs/checkpoints.md")
@@ -179,17 +259,18 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--init-from", default=None, help="starting checkpoint for --recipe mimo")
   p.add_argument("--stop-at", type=int, default=None,
                  help="stop after this step with a checkpoint; --resume continues the same schedule")
-  p.add_argument("--recipe", choices=("joint", "mimo"), default=None)
+  p.add_argument("--recipe", choices=("joint", "mimo"), default=None,
+                 help="joint: target and MTP modules from scratch; mimo: new modules on a trained target "
+                      "(--init-from)")
   p.add_argument("--preset", choices=sorted(train.PRESETS), default=None,
                  help="the sizes and settings of a shipped demo model (flags given override it)")
-  for flag, kind in (("steps", int), ("batch_size", int), ("seq_len", int), ("lr", float),
-                     ("warmup_steps", int), ("weight_decay", float), ("mtp_weight", float),
-                     ("eval_every", int), ("save_every", int), ("seed", int)):
-    p.add_argument("--" + flag.replace("_", "-"), type=kind, default=None)
+  for flag, text in _TRAIN_HELP.items():
+    kind = float if flag in ("lr", "weight_decay", "mtp_weight") else int
+    p.add_argument("--" + flag.replace("_", "-"), type=kind, default=None, help=text)
   p.add_argument("--stop-gradient", action="store_true", default=None,
                  help="keep the MTP loss out of the target (DeepSeek-V3 does not)")
-  for flag in _MODEL_FLAGS:
-    p.add_argument("--" + flag.replace("_", "-"), type=int, default=None)
+  for flag, text in _MODEL_FLAGS.items():
+    p.add_argument("--" + flag.replace("_", "-"), type=int, default=None, help=text)
   p.set_defaults(func=_train)
   return parser
 

@@ -34,6 +34,7 @@ import numpy as np
 import outlines_core
 from outlines_core.json_schema import build_regex_from_schema
 
+from mtp_jax import validate
 from mtp_jax.data import VOCAB_SIZE
 
 FREE = -1
@@ -79,7 +80,8 @@ def init_grammar_state(batch_size: int, constrained: jax.Array | None = None) ->
   if constrained is None:
     return jnp.full((batch_size,), START, jnp.int32)
   if jnp.shape(constrained) != (batch_size,):
-    raise ValueError(f"constrained must have shape ({batch_size},), got {jnp.shape(constrained)}")
+    raise validate.InvalidValue("constrained", f"constrained must have shape ({batch_size},), got "
+                                               f"{jnp.shape(constrained)}")
   return jnp.where(constrained, START, FREE).astype(jnp.int32)
 
 
@@ -165,8 +167,8 @@ def token_mask(grammar: Grammar, state_B: jax.Array, vocab_size: int) -> jax.Arr
     ends there; `advance` over that EOS leads to DONE.
   """
   if vocab_size < grammar.vocab_size:
-    raise ValueError(f"vocab_size {vocab_size} is smaller than the grammar's vocabulary "
-                     f"({grammar.vocab_size} tokens)")
+    raise validate.InvalidValue("vocab_size", f"vocab_size {vocab_size} is smaller than the grammar's vocabulary "
+                                              f"({grammar.vocab_size} tokens)")
   mask_BxG = allowed_mask(grammar, state_B)
   pad_BxP = jnp.broadcast_to((state_B < 0)[..., None],
                              (*state_B.shape, vocab_size - grammar.vocab_size))
@@ -190,15 +192,15 @@ def from_regex(pattern: str, vocab: Sequence[bytes | None], *, eos_token_id: int
   pattern: Rust `regex` syntax (as outlines-core), matched against the whole text.
   vocab: token byte strings indexed by token id; None (special tokens such as BOS) and the
     entry at eos_token_id are never allowed as text. `byte_vocab()` for the byte tokenizer.
+  eos_token_id: an int in 0..len(vocab)-1.
   compact: CSR transitions; None picks dense when S * V < 2**24.
-  Raises ValueError naming the pattern if it is invalid or no token sequence can match it.
+  Raises validate.InvalidType / InvalidValue naming the argument: a pattern that is not a str, is
+  invalid or cannot be matched by any token sequence; a vocab entry that is not bytes or None;
+  an eos_token_id outside the vocabulary.
   """
-  if not 0 <= eos_token_id < len(vocab):
-    raise ValueError(f"eos_token_id {eos_token_id} is outside the vocabulary of {len(vocab)}")
-  ids_by_token: dict[bytes, list[int]] = {}
-  for token_id, token in enumerate(vocab):
-    if token and token_id != eos_token_id:
-      ids_by_token.setdefault(bytes(token), []).append(token_id)
+  validate.instance("pattern", pattern, str, "a str (a regex)")
+  ids_by_token, eos_token_id = _ids_by_token(vocab, eos_token_id)
+  compact = None if compact is None else validate.flag("compact", compact)
   try:
     # outlines-core takes raw bytes keys as they are (only from_pretrained decodes
     # GPT-2 byte-level strings). Anchoring at the end of text makes a match reportable
@@ -216,7 +218,7 @@ def from_regex(pattern: str, vocab: Sequence[bytes | None], *, eos_token_id: int
     try:
       index = outlines_core.Index(f"\\x00(?:{pattern})\\z", outlines_core.Vocabulary(eos_token_id, sentinel))
     except Exception:
-      raise ValueError(f"cannot build a grammar for pattern {pattern!r}: {e}") from e
+      raise validate.InvalidValue("pattern", f"cannot build a grammar for pattern {pattern!r}: {e}") from e
     return _from_index(index, pattern, len(vocab), eos_token_id, compact, start_token=len(vocab))
   return _from_index(index, pattern, len(vocab), eos_token_id, compact)
 
@@ -226,15 +228,44 @@ def from_json_schema(schema: str | dict, vocab: Sequence[bytes | None], *, eos_t
                      compact: bool | None = None) -> Grammar:
   """Grammar accepting JSON texts valid under `schema`; other arguments as `from_regex`.
 
+  schema: a JSON text or a dict (a JSON object); an invalid one raises validate.InvalidValue
+    naming "schema".
   whitespace_pattern: regex for the whitespace allowed between JSON tokens (outlines-core's
     default when None).
   """
-  schema_json = schema if isinstance(schema, str) else json.dumps(schema)
+  if isinstance(schema, dict):
+    try:
+      schema_json = json.dumps(schema)
+    except (TypeError, ValueError) as e:
+      raise validate.InvalidValue("schema", f"schema must be JSON-serialisable: {e}") from e
+  else:
+    schema_json = validate.instance("schema", schema, str, "a JSON text (str) or a dict")
+  if whitespace_pattern is not None:
+    validate.instance("whitespace_pattern", whitespace_pattern, str, "a str (a regex) or None")
   try:
     pattern = build_regex_from_schema(schema_json, whitespace_pattern)
   except Exception as e:
-    raise ValueError(f"cannot turn JSON schema {schema_json!r} into a regex: {e}") from e
+    raise validate.InvalidValue("schema", f"cannot turn JSON schema {schema_json!r} into a regex: {e}") from e
   return from_regex(pattern, vocab, eos_token_id=eos_token_id, compact=compact)
+
+
+def _ids_by_token(vocab, eos_token_id) -> tuple[dict[bytes, list[int]], int]:
+  """(token byte strings -> their ids, leaving out None entries, empty ones and eos; eos_token_id),
+  vocab and eos_token_id checked."""
+  if isinstance(vocab, (str, bytes)) or not isinstance(vocab, Sequence):
+    raise validate.InvalidType("vocab", f"vocab must be a list of bytes (or None) indexed by token id, "
+                                        f"got {type(vocab).__name__}")
+  if not vocab:
+    raise validate.InvalidValue("vocab", "vocab must not be empty")
+  eos_token_id = validate.integer("eos_token_id", eos_token_id, 0, len(vocab) - 1)
+  ids_by_token: dict[bytes, list[int]] = {}
+  for token_id, token in enumerate(vocab):
+    if token is not None and not isinstance(token, (bytes, bytearray)):
+      raise validate.InvalidType(f"vocab[{token_id}]", f"vocab[{token_id}] must be bytes or None, got {token!r} "
+                                                       f"({type(token).__name__}); encode str tokens to bytes")
+    if token and token_id != eos_token_id:
+      ids_by_token.setdefault(bytes(token), []).append(token_id)
+  return ids_by_token, eos_token_id
 
 
 def _from_index(index, pattern: str, vocab_size: int, eos_token_id: int,
@@ -250,8 +281,8 @@ def _from_index(index, pattern: str, vocab_size: int, eos_token_id: int,
   finals = set(index.get_final_states())
   live = _states_that_can_finish(transitions, finals)
   if initial not in live:
-    raise ValueError(f"pattern {pattern!r} cannot be matched by any token sequence "
-                     "over this vocabulary")
+    raise validate.InvalidValue("pattern", f"pattern {pattern!r} cannot be matched by any token sequence "
+                                           "over this vocabulary")
 
   order = [initial] + sorted(live - {initial})
   ids = {s: i + START for i, s in enumerate(order)}

@@ -180,13 +180,6 @@ def _propose_value_errors(state, hiddens, tokens, num_new, vocab_size, grammar, 
   return errors
 
 
-def _raise_eager(errors, **values):
-  for ok, argument, msg in errors:
-    if not bool(ok):
-      detail = ", ".join(f"{k}={np.asarray(v).tolist()}" for k, v in values.items())
-      raise validate.InvalidValue(argument, f"{msg} ({detail})")
-
-
 def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, num_drafts: int, *,
             key=None, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
             grammar=None, grammar_state=None, checked: bool = False, catch_up: bool = True,
@@ -244,12 +237,12 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
   catch_up = validate.flag("catch_up", catch_up)
   grammar_per_position = validate.flag("grammar_per_position", grammar_per_position)
   if tree is not None:
-    check_tree(tree, num_drafts=num_drafts)
+    check_tree(tree, num_drafts=num_drafts, vocab_size=params.cfg.vocab_size)
   hiddens, tokens, num_new = jnp.asarray(hiddens), jnp.asarray(tokens), jnp.asarray(num_new)
   if validate.is_concrete(state.num_pos, hiddens, tokens, num_new, grammar_state):
-    _raise_eager(_propose_value_errors(state, hiddens, tokens, num_new, params.cfg.vocab_size, grammar,
-                                       grammar_state),
-                 num_pos=state.num_pos, num_new=num_new)
+    validate.raise_failed(_propose_value_errors(state, hiddens, tokens, num_new, params.cfg.vocab_size, grammar,
+                                                grammar_state),
+                          num_pos=state.num_pos, num_new=num_new)
     return _propose_jit(params, state, hiddens, tokens.astype(jnp.int32), num_new.astype(jnp.int32),
                         num_drafts, key, temperature, top_k, top_p, grammar, grammar_state, checked,
                         grammar_per_position, catch_up, tree)
@@ -281,9 +274,8 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
   # left as they were (stale), which num_live records.
   cfg = params.cfg
   if checked:
-    for ok, _, msg in _propose_value_errors(state, hiddens_BxTxD, tokens_BxT, num_new_B, cfg.vocab_size, grammar,
-                                         grammar_state_B):
-      checkify.check(ok, msg)
+    validate.checkify_checks(_propose_value_errors(state, hiddens_BxTxD, tokens_BxT, num_new_B, cfg.vocab_size,
+                                                   grammar, grammar_state_B))
   b, t, _ = hiddens_BxTxD.shape
   ring = cfg.num_depths
   b_idx = jnp.arange(b)[:, None]
@@ -441,7 +433,8 @@ def after_verify(state: ProposerState, num_accepted, *, checked: bool = False) -
   ok_msg = ((num_accepted >= 0) & (num_accepted <= state.num_drafted),
             "num_accepted must be in 0..k, the num_drafts of the last propose (0 when none is pending)")
   if validate.is_concrete(state.num_drafted, num_accepted):
-    _raise_eager([(jnp.all(ok_msg[0]), "num_accepted", ok_msg[1])], num_accepted=num_accepted, k=state.num_drafted)
+    validate.raise_failed([(jnp.all(ok_msg[0]), "num_accepted", ok_msg[1])], num_accepted=num_accepted,
+                          k=state.num_drafted)
   elif checked:
     checkify.check(jnp.all(ok_msg[0]), ok_msg[1])
   return _after_verify(state, num_accepted.astype(jnp.int32))
@@ -475,7 +468,7 @@ def reset_slots(state: ProposerState, mask) -> ProposerState:
 
 
 def checked(fn):
-  """`fn` (`propose` or `after_verify`) with value checks, functionalised by `checkify`.
+  """`fn` (`propose`, `after_verify` or `target_step`) with value checks, functionalised by `checkify`.
 
   The wrapped function returns (error, outputs) and works under `jax.jit`; call
   `error.throw()` outside jit to raise `checkify.JaxRuntimeError` naming the argument and

@@ -15,7 +15,7 @@ from mtp_jax.blocks.cache import grow_caches, move_rows
 from mtp_jax.blocks.paged import Pages, PagedKVCache, allocator, bind, paged_cache, unbind
 from mtp_jax.config import TargetConfig
 from mtp_jax.mtp import assign_state_dict, param_names
-from mtp_jax.tree import TreeSpec
+from mtp_jax.tree import TreeSpec, check_tree
 
 
 class TargetModel(nnx.Module):
@@ -82,16 +82,22 @@ def init_target_state(cfg: TargetConfig, batch_size: int, max_len: int, *, dtype
                       page_size: int | None = None, num_pages: int | None = None) -> TargetState:
   """Empty caches for batch_size sequences of at most max_len positions.
 
+  cfg: a TargetConfig; batch_size, max_len: ints >= 1; dtype: a floating cache dtype (default cfg.dtype).
   page_size, num_pages: paged caches (blocks/paged.py), pages taken as rows are written and
   returned by `trim_target` / `reset_target_slots`.
   """
+  validate.instance("cfg", cfg, TargetConfig, "a TargetConfig")
+  batch_size = validate.positive_int("batch_size", batch_size)
+  max_len = validate.positive_int("max_len", max_len)
+  dtype = None if dtype is None else validate.float_dtype("dtype", dtype)
   pages = allocator(batch_size, max_len, page_size, num_pages)
   return TargetState(kv=tuple(init_cache(cfg, batch_size, max_len, dtype) if pages is None else
                               paged_cache(cfg, pages, dtype) for _ in range(cfg.num_layers)),
                      length=jnp.zeros((batch_size,), jnp.int32), pages=pages)
 
 
-def target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B, tree: TreeSpec | None = None):
+def target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B, tree: TreeSpec | None = None, *,
+                checked: bool = False):
   """Appends num_new_B[b] tokens (left-aligned in tokens_BxT: int32[B, T]) to each sequence.
 
   Prefill is the call with the whole prompt; verification the call with [last token, d_1..d_k].
@@ -99,14 +105,56 @@ def target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B, t
   first, and num_new_B is N + 1 or 0: node n runs at position length + depth(n), sees the
   sequence and its own ancestors, and is written at row length + n (`compact_target` then moves
   an accepted path into place).
-  Rows past max_len are dropped, never wrapped (callers validate lengths first). Paged, the
-  sequence first gets pages for its new rows; one refused them is flagged in `pages.oom` and
-  its rows beyond its pages are dropped (its logits are then meaningless; others are unaffected).
+  num_new_B: int32[B] in 0..T; the real tokens are ids in 0..vocab_size-1 and length + num_new
+  stays <= max_len. Eager calls check these values and raise validate.InvalidValue; traced ones
+  cannot, so there rows past max_len are dropped, never wrapped, and `checked=True` adds the same
+  checks as `checkify` checks (wrap the caller in `checkify.checkify`, or use `mtp_jax.checked`).
+  Paged, the sequence first gets pages for its new rows; one refused them is flagged in `pages.oom`
+  and its rows beyond its pages are dropped (its logits are then meaningless; others are unaffected).
   Returns (logits float32[B, T, V], hiddens dtype[B, T, D], new TargetState with length += num_new).
   """
+  tokens_BxT, num_new_B = _check_step_args(model, state, tokens_BxT, num_new_B, tree)
+  checked = validate.flag("checked", checked)
   if validate.is_concrete(state.length, tokens_BxT, num_new_B):  # eager: one compile, not one per op
-    return _target_step_jit(model, state, jnp.asarray(tokens_BxT), jnp.asarray(num_new_B), tree)
+    validate.raise_failed(_step_value_checks(state, tokens_BxT, num_new_B, model.cfg.vocab_size, tree),
+                          length=state.length, num_new=num_new_B)
+    return _target_step_jit(model, state, tokens_BxT, num_new_B, tree)
+  if checked:
+    validate.checkify_checks(_step_value_checks(state, tokens_BxT, num_new_B, model.cfg.vocab_size, tree))
   return _target_step(model, state, tokens_BxT, num_new_B, tree)
+
+
+def _check_step_args(model, state, tokens_BxT, num_new_B, tree):
+  """(tokens int32[B, T], num_new int32[B]) as jax arrays, their types and shapes checked."""
+  validate.instance("model", model, TargetModel, "a TargetModel (init_target, load_target_state_dict)")
+  validate.instance("state", state, TargetState, "a TargetState (from init_target_state)")
+  b = state.length.shape[0]
+  tokens_BxT = validate.array("tokens", tokens_BxT, (b, None), kind="int", dims=f"[B={b}, T]")
+  num_new_B = validate.array("num_new", num_new_B, (b,), kind="int", dims=f"[B={b}]")
+  if tree is not None:
+    check_tree(tree, vocab_size=model.cfg.vocab_size)
+    if tokens_BxT.shape[1] != tree.num_nodes + 1:
+      raise validate.InvalidValue("tokens", f"with tree widths={tree.widths}, tokens must be int32[B={b}, "
+                                            f"N + 1={tree.num_nodes + 1}] (root first), got T={tokens_BxT.shape[1]}")
+  return jnp.asarray(tokens_BxT).astype(jnp.int32), jnp.asarray(num_new_B).astype(jnp.int32)
+
+
+def _step_value_checks(state, tokens_BxT, num_new_B, vocab_size, tree):
+  """(condition that must hold, argument, message) over values; shared by eager and checkify checks."""
+  t = tokens_BxT.shape[1]
+  real_BxT = jnp.arange(t)[None] < num_new_B[:, None]
+  if tree is None:
+    num_new_ok = (jnp.all((num_new_B >= 0) & (num_new_B <= t)), "num_new", f"num_new must be in 0..T={t}")
+  else:
+    num_new_ok = (jnp.all((num_new_B == 0) | (num_new_B == t)), "num_new",
+                  f"num_new must be 0 or N + 1={t} with a tree (all its nodes or none)")
+  return [
+      num_new_ok,
+      (jnp.all(state.length + num_new_B <= state.max_len), "num_new",
+       f"num_new: a sequence would outgrow max_len={state.max_len} (length + num_new > max_len)"),
+      (jnp.all((tokens_BxT >= 0) & (tokens_BxT < vocab_size) | ~real_BxT), "tokens",
+       f"tokens must be in 0..vocab_size-1={vocab_size - 1}"),
+  ]
 
 
 def _target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B, tree: TreeSpec | None):

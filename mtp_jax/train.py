@@ -49,9 +49,15 @@ def model_configs(*, hidden_size: int = 128, num_layers: int = 4, num_heads: int
   """A target and an MTP config of matching width; the defaults are the small demo models' sizes.
 
   output_normed_hidden / pass_normed_hidden: the chain's conventions (see TargetConfig, MtpConfig).
+  Sizes are ints >= 1 (the configs check the rest, e.g. num_heads a multiple of num_kv_heads).
   """
+  for name, value in (("hidden_size", hidden_size), ("num_layers", num_layers), ("num_heads", num_heads),
+                      ("num_kv_heads", num_kv_heads), ("intermediate_size", intermediate_size),
+                      ("num_modules", num_modules)):
+    validate.positive_int(name, value)
   if hidden_size % num_heads:
-    raise ValueError(f"hidden_size ({hidden_size}) must be a multiple of num_heads ({num_heads})")
+    raise validate.InvalidValue("hidden_size", f"hidden_size ({hidden_size}) must be a multiple of num_heads "
+                                               f"({num_heads})")
   block = dict(hidden_size=hidden_size, num_heads=num_heads, num_kv_heads=num_kv_heads,
                head_dim=hidden_size // num_heads, intermediate_size=intermediate_size,
                vocab_size=data.VOCAB_SIZE)

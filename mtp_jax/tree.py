@@ -139,10 +139,16 @@ def node_states(grammar, state_B, tokens_BxN1, tree: TreeSpec, upto: int | None 
 
 
 def check_tree(tree, *, num_drafts: int | None = None, max_depth: int | None = None,
-               argument: str = "tree") -> TreeSpec:
+               vocab_size: int | None = None, argument: str = "tree") -> TreeSpec:
   """tree as a TreeSpec, refused by the name `argument` unless it is one, at most max_depth deep
-  (the proposer's depths) and num_drafts deep (when given)."""
+  (the proposer's depths), num_drafts deep and no wider than vocab_size at any depth (when given):
+  a node's children are distinct tokens, its top-w."""
   validate.instance(argument, tree, TreeSpec, "a mtp_jax.tree.TreeSpec (e.g. TreeSpec(widths=(3, 2, 1)))")
+  if vocab_size is not None and max(tree.widths) > vocab_size:
+    d = int(np.argmax(tree.widths))
+    raise validate.InvalidValue(argument, f"tree widths={tree.widths}: widths[{d}]={tree.widths[d]} is more "
+                                          f"children than the model's vocab_size={vocab_size}; widths must be "
+                                          f"<= vocab_size")
   if max_depth is not None and tree.depth > max_depth:
     raise validate.InvalidValue(argument, f"tree widths={tree.widths} is {tree.depth} deep; the proposer drafts "
                                           f"at most {max_depth}")

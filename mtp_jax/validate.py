@@ -16,6 +16,7 @@ import numbers
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
@@ -158,6 +159,58 @@ def array(name: str, x, shape: tuple, *, kind: str, dims: str | None = None):
       bad = lo if lo < INT32_MIN else hi
       raise InvalidValue(name, f"{name} holds {bad}, outside int32 ({INT32_MIN}..{INT32_MAX})")
   return x
+
+
+def raise_failed(checks, **values):
+  """Eager value checks: raises InvalidValue for the first (ok, argument, message) of `checks` whose
+  ok (a bool or a 0-d array) is False; the message ends with `values` (e.g. the lengths it saw)."""
+  for ok, argument, message in checks:
+    if not bool(ok):
+      detail = ", ".join(f"{k}={np.asarray(v).tolist()}" for k, v in values.items())
+      raise InvalidValue(argument, f"{message} ({detail})")
+
+
+def checkify_checks(checks):
+  """The same (ok, argument, message) checks on traced values, as `checkify.check`s: the caller
+  runs under `checkify.checkify` and gets an error naming the argument's limit."""
+  for ok, _, message in checks:
+    checkify.check(ok, message)
+
+
+def finite_logits(name: str, x):
+  """Eager: x (float[..., V] logits) holds no NaN and no +inf (-inf, a masked token, is allowed)."""
+  bad = np.asarray(jnp.isnan(x) | jnp.isposinf(x))
+  if bad.any():
+    at = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise InvalidValue(name, f"{name} must not hold NaN or +inf (-inf masks a token); found "
+                             f"{np.asarray(x)[at]} at index {list(at)}")
+
+
+PROB_ATOL = 1e-3  # |sum - 1| allowed for a float32 distribution over V tokens
+
+
+def distributions(name: str, p):
+  """Eager: every row p[..., :] (float[..., V]) is a distribution: finite, >= 0, summing to 1
+  within PROB_ATOL (float32, float64), or 4 ulps of 1 for coarser dtypes (bfloat16: 0.03)."""
+  atol = max(PROB_ATOL, 4 * float(jnp.finfo(p.dtype).eps))
+  p = np.asarray(p, np.float32)
+  bad = ~np.isfinite(p) | (p < 0)
+  if bad.any():
+    at = tuple(int(i) for i in np.argwhere(bad)[0])
+    raise InvalidValue(name, f"{name} must be finite and >= 0 (probabilities); found {p[at]} at index {list(at)}")
+  off = np.abs(p.sum(-1) - 1)
+  if off.size and off.max() > atol:
+    at = tuple(int(i) for i in np.unravel_index(np.argmax(off), off.shape))
+    raise InvalidValue(name, f"{name} rows must sum to 1 (within {atol}); row {list(at)} sums to "
+                             f"{float(p[at].sum())}")
+
+
+def token_ids(name: str, x, vocab_size: int):
+  """Eager: the int array x holds token ids in 0..vocab_size-1."""
+  x = np.asarray(x)
+  if x.size and (x.min() < 0 or x.max() >= vocab_size):
+    bad = int(x.min()) if x.min() < 0 else int(x.max())
+    raise InvalidValue(name, f"{name} must be in 0..vocab_size-1={vocab_size - 1}, got {bad}")
 
 
 def sampling(temperature, top_k, top_p):

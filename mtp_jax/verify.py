@@ -26,13 +26,29 @@ def _at(x_BxKx, a_B):
 
 
 def _check(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV=None):
-  """(B, k, V) of the arguments, their dtypes and shapes checked."""
+  """(logits, drafts, draft_probs or None) as jax arrays, their dtypes and shapes checked, and their
+  values when concrete."""
   logits_BxK1xV = validate.array("logits", logits_BxK1xV, (None, None, None), kind="float", dims="[B, k + 1, V]")
   b, k1, v = logits_BxK1xV.shape
-  validate.array("drafts", drafts_BxK, (b, k1 - 1), kind="int", dims=f"[B={b}, k={k1 - 1}]")
+  drafts_BxK = validate.array("drafts", drafts_BxK, (b, k1 - 1), kind="int", dims=f"[B={b}, k={k1 - 1}]")
   if draft_probs_BxKxV is not None:
-    validate.array("draft_probs", draft_probs_BxKxV, (b, k1 - 1, v), kind="float", dims=f"[B={b}, k={k1 - 1}, V={v}]")
-  return b, k1 - 1, v
+    draft_probs_BxKxV = validate.array("draft_probs", draft_probs_BxKxV, (b, k1 - 1, v), kind="float",
+                                       dims=f"[B={b}, k={k1 - 1}, V={v}]")
+  _check_values(v, logits=logits_BxK1xV, drafts=drafts_BxK, draft_probs=draft_probs_BxKxV)
+  return (jnp.asarray(logits_BxK1xV), jnp.asarray(drafts_BxK),
+          None if draft_probs_BxKxV is None else jnp.asarray(draft_probs_BxKxV))
+
+
+def _check_values(vocab_size, *, logits, drafts, draft_probs=None, drafts_name="drafts"):
+  """Eager calls only (traced values are the caller's to check): a NaN logit would be argmax's token 0,
+  a draft id outside the vocabulary a gather past its end, a draft_probs row that is no distribution
+  a biased acceptance test."""
+  if not validate.is_concrete(logits, drafts, draft_probs):
+    return
+  validate.finite_logits("logits", logits)
+  validate.token_ids(drafts_name, drafts, vocab_size)
+  if draft_probs is not None:
+    validate.distributions("draft_probs", draft_probs)
 
 
 def _residual(r_BxV, q_BxV):
@@ -47,8 +63,9 @@ def verify_greedy(logits_BxK1xV: jax.Array, drafts_BxK: jax.Array):
   """Accepts the longest prefix of drafts equal to the target's argmax; next token is the argmax after it.
 
   logits_BxK1xV: float32[B, k + 1, V] target logits at [last token, d_1..d_k]; drafts_BxK: int32[B, k].
+  Called eagerly, NaN or +inf logits and drafts outside 0..V-1 are refused (as in every rule here).
   """
-  _check(logits_BxK1xV, drafts_BxK)
+  logits_BxK1xV, drafts_BxK, _ = _check(logits_BxK1xV, drafts_BxK)
   greedy_BxK1 = jnp.argmax(logits_BxK1xV, axis=-1).astype(jnp.int32)
   a_B = _first_rejection(drafts_BxK == greedy_BxK1[:, :-1])
   return a_B, jnp.take_along_axis(greedy_BxK1, a_B[:, None], axis=1)[:, 0]
@@ -61,9 +78,13 @@ def verify_sampling(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV, key, *, temper
   Draft x_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at the first rejection the
   next token is drawn from norm(max(0, p_i - q_i)); if all k are accepted, from p_k. p is the target's
   filtered distribution, q the one the drafts were drawn from (draft_probs_BxKxV: float32[B, k, V]).
-  The output is distributed exactly as sampling from p alone.
+  The output is distributed exactly as sampling from p alone. temperature > 0 (verify_greedy is
+  the temperature-0 rule). Called eagerly, every draft_probs row must be a distribution: finite,
+  >= 0, summing to 1 within validate.PROB_ATOL.
   """
-  _, k, _ = _check(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV)
+  _positive_temperature(temperature, "verify_sampling")
+  logits_BxK1xV, drafts_BxK, draft_probs_BxKxV = _check(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV)
+  k = drafts_BxK.shape[1]
   if key is None:
     raise validate.InvalidValue("key", "verify_sampling needs a PRNG key")
   p_BxK1xV = filtered_probs(logits_BxK1xV, temperature=temperature, top_k=top_k, top_p=top_p)
@@ -77,6 +98,12 @@ def verify_sampling(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV, key, *, temper
   residual_BxV = _residual(_at(p_BxK1xV, a_B), _at(q_pad, a_B))
   next_B = jax.random.categorical(key_next, jnp.log(residual_BxV), axis=-1).astype(jnp.int32)
   return a_B, next_B
+
+
+def _positive_temperature(temperature, rule):
+  if validate.real("temperature", temperature, 0.0) == 0:
+    raise validate.InvalidValue("temperature", f"{rule} needs temperature > 0, got {temperature!r}; the "
+                                               "temperature-0 rule is its greedy counterpart")
 
 
 def _relaxed_ok(probs_BxXxV, tokens_BxX, top_n: int, delta: float):
@@ -94,7 +121,8 @@ def verify_relaxed(logits_BxK1xV, drafts_BxK, *, top_n: int, delta: float, allow
   allowed_BxK: bool[B, k], the drafts a grammar allows (default all): with masked logits a draft
   of probability 0 would pass when the top-1's probability is <= delta.
   """
-  _, k, v = _check(logits_BxK1xV, drafts_BxK)
+  logits_BxK1xV, drafts_BxK, _ = _check(logits_BxK1xV, drafts_BxK)
+  k, v = drafts_BxK.shape[1], logits_BxK1xV.shape[2]
   top_n = validate.positive_int("top_n", top_n, v)
   delta = validate.real("delta", delta, 0.0, 1.0)
   probs = jax.nn.softmax(logits_BxK1xV.astype(jnp.float32), axis=-1)
@@ -120,18 +148,22 @@ def verify_tree_greedy(logits_BxN1xV: jax.Array, tree_tokens_BxN: jax.Array, tre
     num_accepted repeat the accepted node). Siblings are distinct tokens (top-w), so at most
     one child of a node can match: the accepted path is unique, as a chain's prefix is.
   """
-  tree = _check_tree_args(logits_BxN1xV, tree_tokens_BxN, tree)
+  logits_BxN1xV, tree_tokens_BxN, tree = _check_tree_args(logits_BxN1xV, tree_tokens_BxN, tree)
   greedy_BxN1 = jnp.argmax(logits_BxN1xV, axis=-1).astype(jnp.int32)
   return _deepest_accepted(tree_tokens_BxN == greedy_BxN1[:, tree.parents[1:]], greedy_BxN1, tree)
 
 
 def _check_tree_args(logits_BxN1xV, tree_tokens_BxN, tree):
+  """(logits, tree_tokens, tree) checked as every tree rule takes them, values too when concrete."""
   tree = check_tree(tree)
   logits_BxN1xV = validate.array("logits", logits_BxN1xV, (None, tree.num_nodes + 1, None), kind="float",
                                  dims=f"[B, N + 1 = {tree.num_nodes + 1}, V]")
-  b = logits_BxN1xV.shape[0]
-  validate.array("tree_tokens", tree_tokens_BxN, (b, tree.num_nodes), kind="int", dims=f"[B={b}, N={tree.num_nodes}]")
-  return tree
+  b, _, v = logits_BxN1xV.shape
+  tree_tokens_BxN = validate.array("tree_tokens", tree_tokens_BxN, (b, tree.num_nodes), kind="int",
+                                   dims=f"[B={b}, N={tree.num_nodes}]")
+  check_tree(tree, vocab_size=v)
+  _check_values(v, logits=logits_BxN1xV, drafts=tree_tokens_BxN, drafts_name="tree_tokens")
+  return jnp.asarray(logits_BxN1xV), jnp.asarray(tree_tokens_BxN), tree
 
 
 def _deepest_accepted(ok_BxN, greedy_BxN1, tree: TreeSpec):
@@ -158,7 +190,7 @@ def verify_tree_relaxed(logits_BxN1xV, tree_tokens_BxN, tree: TreeSpec, *, top_n
 
   Args and returns as `verify_tree_greedy`; allowed_BxN: bool[B, N], the nodes a grammar allows.
   """
-  tree = _check_tree_args(logits_BxN1xV, tree_tokens_BxN, tree)
+  logits_BxN1xV, tree_tokens_BxN, tree = _check_tree_args(logits_BxN1xV, tree_tokens_BxN, tree)
   v = logits_BxN1xV.shape[-1]
   top_n = validate.positive_int("top_n", top_n, v)
   delta = validate.real("delta", delta, 0.0, 1.0)
@@ -179,7 +211,8 @@ def verify_tree_sampling(logits_BxN1xV, tree_tokens_BxN, draft_probs_BxMxV, key,
   probability min(1, r(x) / q(x)), where r starts as the target's distribution p at the node and
   becomes norm(max(0, r - q)) after each rejected child. An accepted child becomes the current
   node (r = p there); when every child is rejected, or at a leaf, the next token is drawn from r.
-  Each draw is then distributed exactly as sampling from p.
+  Each draw is then distributed exactly as sampling from p. temperature > 0; the values are checked
+  as in verify_sampling.
 
   Args:
     logits_BxN1xV: float32[B, N + 1, V] target logits at the nodes, root first (tree order).
@@ -188,11 +221,16 @@ def verify_tree_sampling(logits_BxN1xV, tree_tokens_BxN, draft_probs_BxMxV, key,
     (num_accepted int32[B], next_token int32[B], path int32[B, k + 1]) as verify_tree_greedy.
   """
   tree = check_tree(tree)
+  _positive_temperature(temperature, "verify_tree_sampling")
   n1, m = tree.num_nodes + 1, tree.starts[tree.depth]
   logits_BxN1xV = validate.array("logits", logits_BxN1xV, (None, n1, None), kind="float", dims=f"[B, N + 1 = {n1}, V]")
   b, _, v = logits_BxN1xV.shape
-  validate.array("tree_tokens", tree_tokens_BxN, (b, n1 - 1), kind="int", dims=f"[B={b}, N={n1 - 1}]")
-  validate.array("draft_probs", draft_probs_BxMxV, (b, m, v), kind="float", dims=f"[B={b}, M={m}, V={v}]")
+  tree_tokens_BxN = validate.array("tree_tokens", tree_tokens_BxN, (b, n1 - 1), kind="int", dims=f"[B={b}, N={n1 - 1}]")
+  draft_probs_BxMxV = validate.array("draft_probs", draft_probs_BxMxV, (b, m, v), kind="float",
+                                     dims=f"[B={b}, M={m}, V={v}]")
+  check_tree(tree, vocab_size=v)
+  _check_values(v, logits=logits_BxN1xV, drafts=tree_tokens_BxN, draft_probs=draft_probs_BxMxV,
+                drafts_name="tree_tokens")
   if key is None:
     raise validate.InvalidValue("key", "verify_tree_sampling needs a PRNG key")
   p_BxN1xV = filtered_probs(logits_BxN1xV, temperature=temperature, top_k=top_k, top_p=top_p)

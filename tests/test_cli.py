@@ -1,12 +1,16 @@
 """`mtp-jax demo / generate / train` through cli.main, and `python -m mtp_jax.cli`."""
 
+import argparse
+import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
-from mtp_jax import cli, train
+import mtp_jax
+from mtp_jax import cli, demo, grammar, train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_TRAIN = ["--batch-size", "2", "--seq-len", "16", "--hidden-size", "32", "--num-layers", "1",
@@ -33,10 +37,55 @@ def test_demo_refuses_a_bad_tree(capsys):
 
 def test_generate_streams_the_continuation(capsys):
   prompt = "    def __init__(self, "
-  assert cli.main(["generate", "--small", "--prompt", prompt, "--max-new-tokens", "24"]) == 0
+  assert cli.main(["generate", "--small", "--prompt", prompt, "--max-new-tokens", "24", "--eos", "none"]) == 0
   captured = capsys.readouterr()
   assert captured.out.startswith(prompt) and len(captured.out) > len(prompt) + 8
-  assert "target calls" in captured.err
+  assert captured.err.startswith("[24 tokens, ")  # --eos none: no early stop
+
+
+def _api_continuation(prompt, max_new_tokens, constraint, **kwargs):
+  """What mtp_jax.generate gives for the CLI's settings on the small demo model, as text."""
+  target, proposer, tok = demo.load_demo(name="small", max_depth=kwargs.pop("max_depth", None))
+  g = constraint(grammar.byte_vocab(), eos_token_id=tok.eos_id)
+  out = mtp_jax.generate(target, proposer, [tok.encode(prompt, bos=False)], max_new_tokens, eos_token_id=tok.eos_id,
+                         grammar=g, **kwargs)
+  return bytes(t for t in out.tokens[0] if t < 256).decode()
+
+
+def test_generate_regex_tree_and_max_depth_equal_the_api(capsys):
+  argv = ["generate", "--small", "--prompt", "x = ", "--max-new-tokens", "8", "--regex", "[0-9]{3}", "--tree",
+          "2,1,1,1", "--max-depth", "4"]
+  assert cli.main(argv) == 0
+  out = capsys.readouterr().out
+  assert re.fullmatch(r"x = [0-9]{3}\n", out), out
+  expected = _api_continuation("x = ", 8, lambda v, **kw: grammar.from_regex("[0-9]{3}", v, **kw),
+                               tree=mtp_jax.TreeSpec((2, 1, 1, 1)), max_depth=4)
+  assert out == "x = " + expected + "\n"
+
+
+def test_generate_json_schema_and_sampling_flags_equal_the_api(tmp_path, capsys):
+  schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+  (tmp_path / "schema.json").write_text(json.dumps(schema))
+  argv = ["generate", "--small", "--prompt", "x = ", "--max-new-tokens", "16", "--json-schema",
+          f"@{tmp_path / 'schema.json'}", "--temperature", "0.8", "--top-k", "5", "--top-p", "0.9", "--seed", "3",
+          "--num-drafts", "2"]
+  assert cli.main(argv) == 0
+  out = capsys.readouterr().out
+  expected = _api_continuation("x = ", 16, lambda v, **kw: grammar.from_json_schema(schema, v, **kw),
+                               num_drafts=2, temperature=0.8, top_k=5, top_p=0.9, seed=3)
+  assert out == "x = " + expected + "\n"
+  if len(expected.encode()) < 16:  # ended at EOS: a complete match
+    assert isinstance(json.loads(expected)["n"], int)
+
+
+def test_every_flag_has_a_help_text():
+  parser = cli.build_parser()
+  commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
+  assert sorted(commands) == ["demo", "generate", "train"]
+  for name, sub in commands.items():
+    for action in sub._actions:
+      if not isinstance(action, argparse._HelpAction):
+        assert action.help, (name, action.option_strings)
 
 
 def test_generate_reports_bad_arguments(capsys):

@@ -11,6 +11,7 @@ import hypothesis
 import hypothesis.strategies as st
 import numpy as np
 import pytest
+from jax.experimental import checkify
 
 import mtp_jax
 from mtp_jax import train, validate
@@ -162,6 +163,7 @@ def _propose_args(**changes):
     (dict(temperature=1.0, top_p=0.0, key=jax.random.key(0)), ValueError, "top_p", "(0.0, 1.0]"),
     (dict(grammar_state=np.zeros(B, np.int32)), ValueError, "grammar_state", "together"),
     (dict(checked=1), TypeError, "checked", "bool"),
+    (dict(tree=mtp_jax.TreeSpec((V + 1, 1))), ValueError, "tree", f"widths[0]={V + 1}"),
 ])
 def test_propose_arguments(changes, error, argument, fragment):
   with _raises(error, argument, fragment):
@@ -274,6 +276,11 @@ def test_generate_arguments(changes, error, argument, fragment):
     mtp_jax.generate(**args)
 
 
+LOGITS = jnp.asarray(np.random.default_rng(0).normal(size=(2, 3, 5)), jnp.float32)  # B=2, k=2, V=5
+DRAFTS = jnp.array([[1, 2], [3, 4]], jnp.int32)
+PROBS = jax.nn.softmax(LOGITS[:, :2] * 0.5, axis=-1)
+
+
 @pytest.mark.parametrize("call, error, argument, fragment", [
     (lambda: mtp_jax.verify_greedy(np.zeros((2, 3, 5), np.float32), np.zeros((2, 3), np.int32)),
      ValueError, "drafts", "[B=2, k=2]"),
@@ -289,10 +296,48 @@ def test_generate_arguments(changes, error, argument, fragment):
     (lambda: mtp_jax.verify_sampling(np.zeros((2, 3, 5), np.float32), np.zeros((2, 2), np.int32),
                                      np.zeros((2, 2, 5), np.float32), jax.random.key(0), temperature=-2.0),
      ValueError, "temperature", "[0.0, inf)"),
+    (lambda: mtp_jax.verify_greedy(LOGITS.at[1, 2, 3].set(jnp.nan), DRAFTS), ValueError, "logits", "NaN"),
+    (lambda: mtp_jax.verify_greedy(LOGITS.at[0, 0, 0].set(jnp.inf), DRAFTS), ValueError, "logits", "+inf"),
+    (lambda: mtp_jax.verify_greedy(LOGITS, DRAFTS.at[0, 1].set(5)), ValueError, "drafts", "vocab_size-1=4"),
+    (lambda: mtp_jax.verify_relaxed(LOGITS, DRAFTS.at[0, 1].set(-1), top_n=2, delta=0.1),
+     ValueError, "drafts", "vocab_size-1=4"),
+    (lambda: mtp_jax.verify_sampling(LOGITS, DRAFTS, PROBS, jax.random.key(0), temperature=0.0),
+     ValueError, "temperature", "temperature > 0"),
+    (lambda: mtp_jax.verify_sampling(LOGITS.at[0, 0, 0].set(jnp.nan), DRAFTS, PROBS, jax.random.key(0),
+                                     temperature=1.0), ValueError, "logits", "NaN"),
+    (lambda: mtp_jax.verify_sampling(LOGITS, DRAFTS, PROBS.at[0, 0, :2].set([-0.2, 0.4]), jax.random.key(0),
+                                     temperature=1.0), ValueError, "draft_probs", ">= 0"),
+    (lambda: mtp_jax.verify_sampling(LOGITS, DRAFTS, PROBS * 1.01, jax.random.key(0), temperature=1.0),
+     ValueError, "draft_probs", f"within {validate.PROB_ATOL}"),
+    (lambda: mtp_jax.verify_sampling(LOGITS, DRAFTS, PROBS.at[1, 1, 4].set(jnp.nan), jax.random.key(0),
+                                     temperature=1.0), ValueError, "draft_probs", "finite"),
+    (lambda: mtp_jax.verify_tree_greedy(np.zeros((2, 7, 5), np.float32), np.zeros((2, 6), np.int32),
+                                        mtp_jax.TreeSpec((6,))), ValueError, "tree", "vocab_size=5"),
+    (lambda: mtp_jax.verify_tree_greedy(LOGITS.at[0, 1, 1].set(jnp.nan), DRAFTS, mtp_jax.TreeSpec((2,))),
+     ValueError, "logits", "NaN"),
+    (lambda: mtp_jax.verify_tree_greedy(LOGITS, DRAFTS.at[1, 0].set(7), mtp_jax.TreeSpec((2,))),
+     ValueError, "tree_tokens", "vocab_size-1=4"),
+    (lambda: mtp_jax.verify_tree_sampling(LOGITS, DRAFTS, PROBS[:, :1], jax.random.key(0), mtp_jax.TreeSpec((2,)),
+                                          temperature=0.0), ValueError, "temperature", "temperature > 0"),
+    (lambda: mtp_jax.verify_tree_sampling(LOGITS, DRAFTS, PROBS[:, :1] * 0.5, jax.random.key(0),
+                                          mtp_jax.TreeSpec((2,)), temperature=1.0),
+     ValueError, "draft_probs", "rows must sum to 1"),
 ])
 def test_verify_arguments(call, error, argument, fragment):
   with _raises(error, argument, fragment):
     call()
+
+
+def test_verify_accepts_masked_logits_and_rounded_probs():
+  """-inf logits (masked tokens) and draft_probs rows off 1 by less than PROB_ATOL are valid input."""
+  a, nxt = mtp_jax.verify_greedy(LOGITS.at[:, :, 0].set(-jnp.inf), DRAFTS)
+  assert np.asarray(nxt).tolist() == np.asarray(jnp.argmax(LOGITS[jnp.arange(2), a], -1)).tolist()
+  rounded = PROBS.at[:, :, 0].add(validate.PROB_ATOL / 2)
+  a, nxt = mtp_jax.verify_sampling(LOGITS, DRAFTS, rounded, jax.random.key(0), temperature=1.0)
+  assert all(0 <= x <= 2 for x in np.asarray(a).tolist()) and all(0 <= x < 5 for x in np.asarray(nxt).tolist())
+  a, nxt = mtp_jax.verify_sampling(np.asarray(LOGITS).tolist(), [[1, 2], [3, 4]], np.asarray(PROBS).tolist(),
+                                   jax.random.key(0), temperature=1.0)  # nested lists are arrays too
+  assert np.asarray(a).shape == np.asarray(nxt).shape == (2,)
 
 
 @pytest.mark.parametrize("temperature", [1e-30, 1e-40])
@@ -333,6 +378,112 @@ def test_generate_fuzz(args):
   for tokens in out.tokens:
     assert 1 <= len(tokens) <= args["max_new_tokens"]
     assert all(0 <= t < V for t in tokens)
+
+
+# --- target -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("args, kwargs, error, argument, fragment", [
+    ((TARGET_CFG, 0, 16), {}, ValueError, "batch_size", "1..2147483647"),
+    ((TARGET_CFG, -2, 16), {}, ValueError, "batch_size", "got -2"),
+    ((TARGET_CFG, 2, 0), {}, ValueError, "max_len", "1..2147483647"),
+    ((TARGET_CFG, 2, 16.0), {}, TypeError, "max_len", "16.0"),
+    ((TARGET_CFG, 2.0, 16), {}, TypeError, "batch_size", "2.0"),
+    ((TARGET_CFG, 2, 16), dict(dtype="int32"), ValueError, "dtype", "floating"),
+    ((MTP_CFG, 2, 16), {}, TypeError, "cfg", "TargetConfig"),
+])
+def test_init_target_state_arguments(args, kwargs, error, argument, fragment):
+  with _raises(error, argument, fragment):
+    mtp_jax.init_target_state(*args, **kwargs)
+
+
+def _step_args(**changes):
+  args = dict(model=TARGET, state=mtp_jax.init_target_state(TARGET_CFG, B, 6), tokens_BxT=np.ones((B, T), np.int32),
+              num_new_B=np.array([4, 2], np.int32))
+  args.update(changes)
+  return args
+
+
+TREE2 = mtp_jax.TreeSpec((2,))
+
+
+@pytest.mark.parametrize("changes, error, argument, fragment", [
+    (dict(model=MTP), TypeError, "model", "TargetModel"),
+    (dict(state=mtp_jax.init_state(MTP_CFG, B, 6)), TypeError, "state", "TargetState"),
+    (dict(tokens_BxT=np.full((B, T), V)), ValueError, "tokens", f"0..vocab_size-1={V - 1}"),
+    (dict(tokens_BxT=np.full((B, T), -1)), ValueError, "tokens", f"0..vocab_size-1={V - 1}"),
+    (dict(tokens_BxT=np.ones((B, T), np.float32)), TypeError, "tokens", "int32[B=2, T]"),
+    (dict(tokens_BxT=np.ones((B + 1, T), np.int32)), ValueError, "tokens", "int32[B=2, T]"),
+    (dict(tokens_BxT=np.ones((T,), np.int32)), ValueError, "tokens", "int32[B=2, T]"),
+    (dict(num_new_B=np.array([5, 1])), ValueError, "num_new", "0..T=4"),
+    (dict(num_new_B=np.array([-1, 1])), ValueError, "num_new", "0..T=4"),
+    (dict(num_new_B=np.array([1.0, 1.0])), TypeError, "num_new", "int32[B=2]"),
+    (dict(num_new_B=np.array([1])), ValueError, "num_new", "int32[B=2]"),
+    (dict(state=mtp_jax.init_target_state(TARGET_CFG, B, 3)), ValueError, "num_new", "max_len=3"),
+    (dict(checked=1), TypeError, "checked", "bool"),
+    (dict(tree=mtp_jax.TreeSpec((V + 1,)), tokens_BxT=np.ones((B, V + 2), np.int32)), ValueError, "tree",
+     f"vocab_size={V}"),
+    (dict(tree=TREE2), ValueError, "tokens", "N + 1=3"),
+    (dict(tree=TREE2, tokens_BxT=np.ones((B, 3), np.int32), num_new_B=np.array([3, 2])), ValueError, "num_new",
+     "0 or N + 1=3"),
+])
+def test_target_step_arguments(changes, error, argument, fragment):
+  args = _step_args(**changes)
+  with _raises(error, argument, fragment):
+    mtp_jax.target_step(args.pop("model"), args.pop("state"), args.pop("tokens_BxT"), args.pop("num_new_B"), **args)
+
+
+def test_target_step_checks_real_rows_only_and_under_jit():
+  """Padding past num_new may hold any id; under jit, checked=True reports the limit through checkify."""
+  tokens = np.full((B, T), V + 7, np.int32)
+  tokens[:, :2] = 3
+  _, _, state = mtp_jax.target_step(TARGET, mtp_jax.init_target_state(TARGET_CFG, B, 6), tokens, np.array([2, 1]))
+  assert np.asarray(state.length).tolist() == [2, 1]
+  step = jax.jit(lambda s, t, n: mtp_jax.target_step(TARGET, s, t, n, checked=True)[2].length)
+  err, length = checkify.checkify(step)(state, tokens, np.array([2, 2], np.int32))
+  assert err.get() is None and np.asarray(length).tolist() == [4, 3]
+  for bad, fragment in ((np.array([3, 1], np.int32), f"tokens must be in 0..vocab_size-1={V - 1}"),
+                        (np.array([5, 1], np.int32), "num_new must be in 0..T=4")):
+    err, _ = checkify.checkify(step)(state, tokens, bad)
+    assert fragment in err.get(), err.get()
+
+
+# --- grammar builders -----------------------------------------------------------------------------
+
+SCHEMA = {"type": "integer"}
+
+
+@pytest.mark.parametrize("call, error, argument, fragment", [
+    (lambda g: g.from_regex(None, g.byte_vocab(), eos_token_id=257), TypeError, "pattern", "NoneType"),
+    (lambda g: g.from_regex(123, g.byte_vocab(), eos_token_id=257), TypeError, "pattern", "int"),
+    (lambda g: g.from_regex("(", g.byte_vocab(), eos_token_id=257), ValueError, "pattern", "cannot build"),
+    (lambda g: g.from_regex("z", [b"a", b"b", None], eos_token_id=2), ValueError, "pattern", "incompatible"),
+    (lambda g: g.from_regex("a", g.byte_vocab(), eos_token_id=True), TypeError, "eos_token_id", "got True"),
+    (lambda g: g.from_regex("a", g.byte_vocab(), eos_token_id=258), ValueError, "eos_token_id", "0..257"),
+    (lambda g: g.from_regex("a", g.byte_vocab(), eos_token_id=None), TypeError, "eos_token_id", "None"),
+    (lambda g: g.from_regex("a", ["a", "b", None], eos_token_id=2), TypeError, "vocab[0]", "bytes or None"),
+    (lambda g: g.from_regex("a", [b"a", 5, None], eos_token_id=2), TypeError, "vocab[1]", "bytes or None"),
+    (lambda g: g.from_regex("a", "ab", eos_token_id=1), TypeError, "vocab", "list of bytes"),
+    (lambda g: g.from_regex("a", [], eos_token_id=0), ValueError, "vocab", "empty"),
+    (lambda g: g.from_regex("a", g.byte_vocab(), eos_token_id=257, compact="yes"), TypeError, "compact", "bool"),
+    (lambda g: g.from_json_schema(None, g.byte_vocab(), eos_token_id=257), TypeError, "schema", "NoneType"),
+    (lambda g: g.from_json_schema("{bad", g.byte_vocab(), eos_token_id=257), ValueError, "schema", "'{bad'"),
+    (lambda g: g.from_json_schema({"a": {1, 2}}, g.byte_vocab(), eos_token_id=257), ValueError, "schema",
+     "JSON-serialisable"),
+    (lambda g: g.from_json_schema(SCHEMA, ["1", "2"], eos_token_id=1), TypeError, "vocab[0]", "bytes or None"),
+    (lambda g: g.from_json_schema(SCHEMA, g.byte_vocab(), eos_token_id=True), TypeError, "eos_token_id", "True"),
+    (lambda g: g.from_json_schema(SCHEMA, g.byte_vocab(), eos_token_id=257, whitespace_pattern=3), TypeError,
+     "whitespace_pattern", "int"),
+])
+def test_grammar_builder_arguments(call, error, argument, fragment):
+  from mtp_jax import grammar
+  with _raises(error, argument, fragment):
+    call(grammar)
+
+
+def test_tree_wider_than_the_vocabulary():
+  assert mtp_jax.tree.check_tree(mtp_jax.TreeSpec((4, 2)), vocab_size=4).widths == (4, 2)
+  with _raises(ValueError, "tree", "widths[1]=5", "vocab_size=4"):
+    mtp_jax.tree.check_tree(mtp_jax.TreeSpec((1, 5)), vocab_size=4)
 
 
 # --- checkpoints --------------------------------------------------------------------------------
@@ -443,6 +594,24 @@ def test_out_dir_accepts_overwrite_resume_and_new(tmp_path):
     (["train", "--out", "{tmp}/file/sub"], "is not writable"),
     (["train", "--out", "{tmp}/ckpt"], "--overwrite"),
     (["train", "--resume", "{tmp}/nowhere"], "no config.json"),
+    (["train", "--num-heads", "0", "--warmup-steps", "0", "--steps", "1", "--out", "{tmp}/run"],
+     "num_heads must be an int in 1..2147483647, got 0"),
+    (["train", "--num-kv-heads", "0", "--out", "{tmp}/run"], "num_kv_heads must be an int in 1.."),
+    (["train", "--hidden-size", "30", "--num-heads", "4", "--out", "{tmp}/run"],
+     "hidden_size (30) must be a multiple of num_heads (4)"),
+    (["train", "--num-modules", "-1", "--out", "{tmp}/run"], "num_modules must be an int in 1.."),
+    (["generate", "--small", "--prompt", "x", "--temperature", "1", "--top-k", "0"], "top_k must be an int in 1.."),
+    (["generate", "--small", "--prompt", "x", "--temperature", "1", "--top-p", "0"], "top_p must be a finite number"),
+    (["generate", "--small", "--prompt", "x", "--eos", "258"], "eos_token_id must be an int in 0..257, got 258"),
+    (["generate", "--small", "--prompt", "x", "--regex", "("], "cannot build a grammar for pattern '('"),
+    (["generate", "--small", "--prompt", "x", "--regex", "[0-9]", "--eos", "none"], "drop --eos none"),
+    (["generate", "--small", "--prompt", "x", "--json-schema", "{bad"], "cannot turn JSON schema '{bad'"),
+    (["generate", "--small", "--prompt", "x", "--json-schema", "@{tmp}/nowhere.json"], "cannot read"),
+    (["generate", "--small", "--prompt", "x", "--tree", "2,2,2,2"], "is 4 deep; the proposer drafts at most 3"),
+    (["generate", "--small", "--prompt", "x", "--tree", "2,2", "--num-drafts", "3"], "num_drafts=3"),
+    (["generate", "--small", "--prompt", "x", "--max-depth", "0"], "max_depth must be an int in 1.."),
+    (["generate", "--small", "--prompt", "x", "--dtype", "bfloat16"], "--dtype applies to --model"),
+    (["demo", "--small", "--max-depth", "-1"], "max_depth must be an int in 1.."),
 ])
 def test_cli_errors_are_one_line_exit_2(tmp_path, capsys, argv, fragment):
   from mtp_jax import cli

@@ -133,7 +133,7 @@ def decoding(target, proposer, *, num_drafts, temperature, top_k, top_p, seed, e
       num_drafts = check_tree(tree, max_depth=k_max).depth
     k = k_max if num_drafts is None else validate.integer("num_drafts", num_drafts, 1, k_max)
     if tree is not None:
-      check_tree(tree, num_drafts=k)
+      check_tree(tree, num_drafts=k, vocab_size=v)
   temperature, top_k, top_p = validate.sampling(temperature, top_k, top_p)
   seed = validate.integer("seed", seed, 0, 2**32 - 1)  # jax.random.key keeps the low 32 bits
   eos_token_id = validate.optional_int("eos_token_id", eos_token_id, 0, v - 1)
