@@ -5,7 +5,7 @@ target, its MTP proposer and a tokenizer.
 
 Targets: GQA decoders of the Llama / Qwen2 / MiMo, GLM-4.5 (dense and MoE layers) and ERNIE-4.5
 (dense) families, and DeepSeek-V3 (MLA in every layer, dense then MoE FFNs). MTP modules: every layout of `layouts` whose blocks mtp_jax runs. The chain follows the
-family's conventions (`layouts.CONVENTIONS`); keyword arguments override them.
+family's conventions (its record in `mtp_jax.families`); keyword arguments override them.
 Tensors are read lazily (only the ones used, never whole shards) and placed straight into the
 model, with no random initialisation first.
 """
@@ -22,15 +22,11 @@ import numpy as np
 import tokenizers
 from flax import nnx
 
-from mtp_jax import layouts
+from mtp_jax import families, layouts
 from mtp_jax.checkpoint import CheckpointReader
 from mtp_jax.config import MtpConfig, TargetConfig
 from mtp_jax.mtp import MtpModel, canonical_name, param_names
 from mtp_jax.target import TargetModel, _hf_name
-
-# HF model_types whose target mtp_jax builds (their MTP modules and other families' load alone).
-_TARGET_TYPES = ("llama", "qwen2", "mimo", "glm4_moe", "ernie4_5", "deepseek_v3")
-
 
 def read_config(path) -> dict:
   """config.json of a model directory, as a dict."""
@@ -50,9 +46,12 @@ def _dtype(config: Mapping, dtype) -> str:
 def target_config_from_hf(config: Mapping, *, dtype=None) -> TargetConfig:
   """A TargetConfig from an HF config.json dict; families or settings mtp_jax cannot run raise."""
   model_type = config.get("model_type")
-  if model_type not in _TARGET_TYPES:
-    raise NotImplementedError(f"config.json: model_type {model_type!r} has no target mtp_jax can build "
-                              f"(supported: {', '.join(_TARGET_TYPES)})")
+  family = families.family_of(config)
+  if family is None or model_type not in family.target:
+    why = f": {family.title}'s {family.target_refusal}" if family else ""
+    supported = [t for f in families.FAMILIES.values() for t in f.target]
+    raise NotImplementedError(f"config.json: model_type {model_type!r} has no target mtp_jax can build{why} "
+                              f"(supported: {', '.join(supported)}); its MTP modules load alone with load_mtp")
   return TargetConfig(**layouts.block_kwargs_from_hf(config), vocab_size=config["vocab_size"],
                       num_layers=config["num_hidden_layers"], dtype=_dtype(config, dtype))
 
@@ -130,7 +129,8 @@ def load_mtp(path, *, dtype=None, max_depth: int | None = None, **conventions) -
     base = layouts.config_from_hf(config, layout=layout)
     cfg = MtpConfig(**{**base.__dict__, **conventions, "max_depth": max_depth,
                        "dtype": _dtype(config, dtype)})
-    first_layer = config.get("num_hidden_layers") if layout == "deepseek" else None
+    key = families.LAYOUTS[layout].first_layer_key
+    first_layer = config.get(key) if key else None
     tensors = layouts.to_canonical(reader, layout, cfg, first_layer=first_layer,
                                    tied=bool(config.get("tie_word_embeddings", False)))
   return _build(lambda: MtpModel(cfg, rngs=nnx.Rngs(0)), canonical_name, tensors, f"{path}")

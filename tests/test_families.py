@@ -15,6 +15,8 @@ Depths past the released module count reuse module 0 (vLLM: spec_step_idx % num_
 """
 
 import json
+import pathlib
+import re
 
 import jax.numpy as jnp
 import numpy as np
@@ -385,3 +387,37 @@ def _check_chain_and_drafts(proposer, cfg, ref, hidden, toks, embed, lm_head, de
   drafts, _ = mtp_jax.propose(proposer, mtp_jax.init_state(cfg, 1, 32), hidden, toks[:, 1:n + 1],
                               np.array([n], np.int32), num_drafts=depths)
   assert np.asarray(drafts)[0].tolist() == ref_drafts
+
+
+def test_registry_records_are_consistent_and_documented():
+  """Every family's layout is registered, each layout's signature tensor picks that layout alone,
+  model types belong to one family, and docs/checkpoints.md holds the current table."""
+  from mtp_jax import families
+  assert list(layouts.LAYOUTS) == list(families.LAYOUTS) and layouts.LAYOUTS[0] == "canonical"
+  seen = {}
+  for family in families.FAMILIES.values():
+    assert family.layout is None or family.layout in families.LAYOUTS, family.name
+    assert set(family.target) <= set(family.model_types), family.name
+    assert family.target == family.model_types or family.target_refusal, family.name
+    for t in family.model_types:
+      assert seen.setdefault(t, family.name) == family.name, t
+      assert layouts.family_of({"model_type": t}) == family.name
+  examples = {name: re.sub(r"[\\()]", "", layout.signature.replace(r"\d+", "3"))
+              for name, layout in families.LAYOUTS.items()}
+  for name, tensor in examples.items():
+    assert layouts.detect_layout([tensor, "model.norm.weight"]) == name
+  with pytest.raises(ValueError, match=r"matches \['deepseek', 'mimo'\]"):
+    layouts.detect_layout([examples["deepseek"], examples["mimo"]])
+  with pytest.raises(ValueError, match="unknown family 'gpt2'"):
+    families.get("gpt2")
+  doc = (pathlib.Path(__file__).parent.parent / "docs" / "checkpoints.md").read_text()
+  assert families.table() in doc
+
+
+def test_target_refusals_name_the_family_and_reason():
+  from mtp_jax import pretrained
+  for model_type, why in [("qwen3_5", "hybrid linear-attention"), ("qwen3_next", "hybrid linear-attention"),
+                          ("longcat_flash", "LongCat-Flash's target"), ("ernie4_5_moe", "MoE target"),
+                          ("gpt2", "")]:
+    with pytest.raises(NotImplementedError, match=f"model_type '{model_type}' has no target.*{why}"):
+      pretrained.target_config_from_hf({"model_type": model_type})
