@@ -19,8 +19,9 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 from flax import nnx
 
-from mtp_jax import families, mtp
-from mtp_jax.checkpoint import CheckpointReader, save_tensors
+from mtp_jax import families, mtp, validate
+from mtp_jax.families import base
+from mtp_jax.checkpoint import CheckpointReader, Fp8Blocks, read_json, save_tensors
 from mtp_jax.config import MlaConfig, MoeConfig, MtpConfig, RopeScaling
 
 LAYOUTS = tuple(families.LAYOUTS)
@@ -57,11 +58,54 @@ def detect_layout(names: Iterable[str]) -> str:
   return found[0]
 
 
+# config.json fields mtp_jax reads, by kind; each is checked (named with its file) before use.
+_REQUIRED_INTS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads")
+_POSITIVE_INTS = ("num_key_value_heads", "head_dim", "intermediate_size", "ffn_hidden_size", "n_routed_experts",
+                  "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                  "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
+                  "topk_group", "max_position_embeddings") + _NUM_MTP_KEYS
+_COUNTS = ("n_shared_experts", "first_k_dense_replace")
+_POSITIVE_REALS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor", "routed_scaling_factor")
+_FLAGS = ("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_prob", "rope_interleave", "use_bias")
+_OBJECTS = ("rope_scaling", "rope_parameters", "quantization_config")
+
+
+def check_hf_config(config: Mapping, file: str = "config.json") -> Mapping:
+  """config unchanged once every field mtp_jax reads has the right type and range: raises
+  validate.InvalidValue / InvalidType whose `.argument` is "<file>: <key>" (e.g. a missing
+  vocab_size, a string head_dim, a negative rms_norm_eps). Fields set to null count as absent,
+  except the required ones. Configs written by save_canonical ({"mtp_jax": ...}) pass as they are."""
+  if "mtp_jax" in config:
+    return config
+  for key in _REQUIRED_INTS:
+    if config.get(key) is None:
+      raise validate.InvalidValue(f"{file}: {key}", f"{file} has no {key!r} (a positive int every model needs)")
+  for key in _REQUIRED_INTS + _POSITIVE_INTS:
+    if config.get(key) is not None:
+      validate.positive_int(f"{file}: {key}", config[key])
+  for key in _COUNTS:
+    if config.get(key) is not None:
+      validate.integer(f"{file}: {key}", config[key], 0)
+  for key in _POSITIVE_REALS:
+    if config.get(key) is not None:
+      validate.real(f"{file}: {key}", config[key], 0, lo_open=True)
+  for key in _FLAGS:
+    if config.get(key) is not None:
+      validate.flag(f"{file}: {key}", config[key])
+  for key in _OBJECTS:
+    if config.get(key) is not None and not isinstance(config[key], Mapping):
+      raise validate.InvalidType(f"{file}: {key}", f"{file}: {key} must be a JSON object or null, "
+                                 f"got {config[key]!r:.60}")
+  for key in ("model_type", "hidden_act", "dtype", "torch_dtype"):
+    if config.get(key) is not None and not isinstance(config[key], str):
+      raise validate.InvalidType(f"{file}: {key}", f"{file}: {key} must be a string, got {config[key]!r:.60}")
+  return config
+
+
 def _load_json(config):
   if isinstance(config, Mapping):
     return config
-  with open(config) as f:
-    return json.load(f)
+  return check_hf_config(read_json(config), os.fspath(config))
 
 
 def family_of(config: Mapping, layout: str | None = None) -> str | None:
@@ -98,6 +142,28 @@ def mla_from_hf(config: Mapping) -> MlaConfig | None:
   return MlaConfig(kv_lora_rank=config["kv_lora_rank"], q_lora_rank=config.get("q_lora_rank"),
                    qk_nope_head_dim=config["qk_nope_head_dim"], qk_rope_head_dim=config["qk_rope_head_dim"],
                    v_head_dim=config["v_head_dim"], **family.mla(config))
+
+
+def fp8_from_hf(config: Mapping, dtype: str = "float32", file: str = "config.json") -> Fp8Blocks | None:
+  """How a config.json's quantization_config says weights are stored: block-scaled FP8
+  (quant_method "fp8", fmt e4m3, weight_block_size [rows, cols]; DeepSeek-V3 / GLM-4.5 releases),
+  dequantized to `dtype` as they are read; None without a quantization_config. Other methods raise
+  NotImplementedError naming them, a bad block size validate.InvalidValue naming the key."""
+  quant = config.get("quantization_config")
+  if not quant:
+    return None
+  method = quant.get("quant_method")
+  if method != "fp8":
+    raise NotImplementedError(f"{file}: quantization_config.quant_method {method!r} is not supported, only "
+                              "'fp8' (block-scaled float8_e4m3fn weights)")
+  if quant.get("fmt", "e4m3") != "e4m3":
+    raise NotImplementedError(f"{file}: quantization_config.fmt {quant['fmt']!r} is not supported, only 'e4m3'")
+  block = quant.get("weight_block_size")
+  key = f"{file}: quantization_config.weight_block_size"
+  if not isinstance(block, list) or len(block) != 2:
+    raise validate.InvalidValue(key, f"{key} must be [rows, cols] (per-block scales; per-tensor FP8 is not "
+                                f"supported), got {block!r}")
+  return Fp8Blocks(block=(validate.positive_int(key, block[0]), validate.positive_int(key, block[1])), dtype=dtype)
 
 
 def block_kwargs_from_hf(config: Mapping) -> dict:
@@ -177,8 +243,8 @@ def _plan(layout, cfg, names, first_layer, tied):
     raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
   where = families.LAYOUTS[layout].sources(cfg, names, first_layer)
   source, embed, head = where.source, list(where.embed), list(where.head)
-  if tied:  # tie_word_embeddings: the LM head is the (main) embedding matrix
-    head = embed
+  if tied:  # tie_word_embeddings: the LM head is the embedding; heads a layout stores must equal it
+    head = embed + [n for n in head if n in names and n not in base.DEFAULT_HEAD]
   plan = {}
   for i in ks:
     for s in suffixes:
@@ -223,8 +289,8 @@ def to_canonical(source: Mapping | CheckpointReader, layout: str, cfg: MtpConfig
     raise NotImplementedError(
         f"{layout} checkpoint tensor {unused[0]!r}{hint} has no place in this config's MTP module"
         f"{f' ({len(unused) - 1} more like it)' if len(unused) > 1 else ''}: only dense blocks "
-        "are supported, or MoE FFNs with a moe config, or MLA with an mla config (no "
-        "quantization scales)")
+        "are supported, or MoE FFNs with a moe config, or MLA with an mla config (quantization scales "
+        "need config.json's quantization_config, quant_method fp8)")
   shapes = canonical_shapes(cfg)
   out, loaded = {}, {}
   for canonical, (sources, transform, stacked) in plan.items():
@@ -244,6 +310,10 @@ def to_canonical(source: Mapping | CheckpointReader, layout: str, cfg: MtpConfig
       continue
     for name in sources[1:]:
       if not np.array_equal(loaded[name], loaded[sources[0]]):
+        if tied and canonical == "lm_head.weight":
+          raise ValueError(f"{layout} checkpoint: config.json sets tie_word_embeddings, so the LM head is the "
+                           f"embedding {sources[0]!r}, but the stored head {name!r} differs from it (set "
+                           "tie_word_embeddings to false to score with the stored head)")
         raise ValueError(f"{layout} checkpoint tensors {sources[0]!r} and {name!r} differ, but "
                          f"mtp_jax shares one {canonical} across all MTP modules")
     first = loaded[sources[0]]
@@ -262,8 +332,8 @@ def read_mtp_checkpoint(path, *,
     config_path = os.path.join(os.path.dirname(reader.path), "config.json")
     if not os.path.isfile(config_path):
       raise FileNotFoundError(f"no config.json beside {reader.path}")
-    with open(config_path) as f:
-      hf = json.load(f)
+    hf = check_hf_config(read_json(config_path), config_path)
+  with CheckpointReader(path, fp8=fp8_from_hf(hf, file=config_path)) as reader:
     layout = layout or detect_layout(reader.keys())
     cfg = config_from_hf(hf, layout=layout)
     key = families.LAYOUTS[layout].first_layer_key
