@@ -70,13 +70,27 @@ _FLAGS = ("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_pro
 _OBJECTS = ("rope_scaling", "rope_parameters", "quantization_config")
 
 
+def text_fields(config: Mapping, file: str = "config.json") -> Mapping:
+  """The language model's config: a multimodal config.json's text_config (Qwen3.5; vLLM reads it as
+  hf_text_config) lifted over its top level, model_type kept from the top level (the family's);
+  configs without one unchanged."""
+  text = config.get("text_config")
+  if text is None:
+    return config
+  if not isinstance(text, Mapping):
+    raise validate.InvalidType(f"{file}: text_config", f"{file}: text_config must be a JSON object, got {text!r:.60}")
+  return {**config, **text, "model_type": config.get("model_type")}
+
+
 def check_hf_config(config: Mapping, file: str = "config.json") -> Mapping:
-  """config unchanged once every field mtp_jax reads has the right type and range: raises
-  validate.InvalidValue / InvalidType whose `.argument` is "<file>: <key>" (e.g. a missing
-  vocab_size, a string head_dim, a negative rms_norm_eps). Fields set to null count as absent,
-  except the required ones. Configs written by save_canonical ({"mtp_jax": ...}) pass as they are."""
+  """config as mtp_jax reads it (`text_fields`), once every field it reads has the right type and
+  range: raises validate.InvalidValue / InvalidType whose `.argument` is "<file>: <key>" (e.g. a
+  missing vocab_size, a string head_dim, a negative rms_norm_eps). Fields set to null count as
+  absent, except the required ones. Configs written by save_canonical ({"mtp_jax": ...}) pass as
+  they are."""
   if "mtp_jax" in config:
     return config
+  config = text_fields(config, file)
   for key in _REQUIRED_INTS:
     if config.get(key) is None:
       raise validate.InvalidValue(f"{file}: {key}", f"{file} has no {key!r} (a positive int every model needs)")
@@ -104,7 +118,7 @@ def check_hf_config(config: Mapping, file: str = "config.json") -> Mapping:
 
 def _load_json(config):
   if isinstance(config, Mapping):
-    return config
+    return text_fields(config)
   return check_hf_config(read_json(config), os.fspath(config))
 
 

@@ -103,7 +103,8 @@ def _target_tensors(reader: CheckpointReader, config: Mapping, cfg: TargetConfig
   if unused:
     raise NotImplementedError(f"{reader.path}: target tensor {unused[0]!r}"
                               f"{f' ({len(unused) - 1} more)' if len(unused) > 1 else ''} has no place in this "
-                              "config's blocks (quantization scales need config.json's quantization_config, quant_method fp8)")
+                              "config's blocks (quantization scales need config.json's quantization_config, "
+                              "quant_method fp8)")
   out = {}
   for name in sorted(want):
     if stacked := re.fullmatch(r"(.*\.mlp\.experts)\.(\w+_proj)", name):

@@ -23,9 +23,10 @@ import numpy as np
 import pytest
 import torch
 from transformers import (Ernie4_5Config, Ernie4_5ForCausalLM, LongcatFlashConfig, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3NextConfig)
+                          Qwen3_5Config, Qwen3NextConfig)
 from transformers.models.longcat_flash import modeling_longcat_flash as longcat
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
 from transformers.models.ernie4_5.modeling_ernie4_5 import Ernie4_5DecoderLayer, Ernie4_5RMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm
 
@@ -280,6 +281,60 @@ def test_qwen3_next_mtp_equals_engine_reference(tmp_path):
   toks = rng.integers(0, V, (1, n + QN_DEPTHS))
   hidden = rng.standard_normal((1, n, D)).astype(np.float32)
 
+  _check_chain_and_drafts(proposer, cfg, ref, hidden, toks, embed, lm_head, QN_DEPTHS)
+
+
+
+class Qwen3_5RefMtp(Qwen3NextRefMtp):
+  """Qwen3.5's MTP as vLLM model_executor/models/qwen3_5_mtp.py (Qwen3_5MultiTokenPredictor.forward)
+  runs it: the wiring of Qwen3NextRefMtp (fc over concat(pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)),
+  one full-attention Qwen3_5DecoderLayer, layers[spec_step_idx % num_mtp_layers], the shared norm
+  handed on), here with transformers' Qwen3_5Attention, Qwen3_5MLP (the dense model), Qwen3_5RMSNorm
+  (1 + w) and Qwen3_5TextRotaryEmbedding (mrope sections over equal text positions)."""
+
+  def __init__(self, config):
+    torch.nn.Module.__init__(self)
+    norm = lambda: qwen3_5.Qwen3_5RMSNorm(D, eps=config.rms_norm_eps)
+    self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm = norm(), norm(), norm()
+    self.fc = torch.nn.Linear(2 * D, D, bias=False)
+    self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+    self.self_attn = qwen3_5.Qwen3_5Attention(config, 1)
+    self.mlp = qwen3_5.Qwen3_5MLP(config, config.intermediate_size)
+    self.rotary = qwen3_5.Qwen3_5TextRotaryEmbedding(config)
+
+
+def test_qwen3_5_text_config_mtp_equals_engine_reference(tmp_path):
+  """A Qwen3.5 directory as released: fields under text_config, the embedding at
+  model.language_model.embed_tokens, MTP at mtp.*; the caller hands in the target's hidden (the
+  hybrid linear-attention target is refused by name)."""
+  text = dict(vocab_size=V, hidden_size=D, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              intermediate_size=48, num_hidden_layers=2, mtp_num_hidden_layers=1, rms_norm_eps=1e-6,
+              max_position_embeddings=256, rope_parameters={
+                  "rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25,
+                  "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+  config = Qwen3_5Config(text_config=text, tie_word_embeddings=False)
+  text_config = config.text_config
+  text_config._attn_implementation = "eager"
+  ref = Qwen3_5RefMtp(text_config).eval()
+  _init_all(ref, 4, norm_centre=0.0)
+  rng = np.random.default_rng(5)
+  embed = rng.standard_normal((V, D)).astype(np.float32)
+  lm_head = (rng.standard_normal((V, D)) / D ** 0.5).astype(np.float32)
+  save_tensors(tmp_path / "model.safetensors", ref.released() | {
+      "model.language_model.embed_tokens.weight": embed, "lm_head.weight": lm_head})
+  hf = json.loads(config.to_json_string())
+  assert "vocab_size" not in hf and hf["text_config"]["mtp_num_hidden_layers"] == 1
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+
+  proposer = load_mtp(tmp_path, dtype="float32", max_depth=QN_DEPTHS)
+  cfg = proposer.cfg
+  assert (cfg.qk_norm, cfg.attention_gate, cfg.norm_unit_offset, cfg.partial_rotary_factor) == (True, True, True, 0.25)
+  assert cfg.moe is None and cfg.num_modules == 1
+  with pytest.raises(NotImplementedError, match="'qwen3_5' has no target.*hybrid linear-attention"):
+    mtp_jax.load_target(tmp_path)
+  n = 9
+  toks = rng.integers(0, V, (1, n + QN_DEPTHS))
+  hidden = rng.standard_normal((1, n, D)).astype(np.float32)
   _check_chain_and_drafts(proposer, cfg, ref, hidden, toks, embed, lm_head, QN_DEPTHS)
 
 
