@@ -37,8 +37,8 @@ def dequantize_fp8_blocks(weight_RxC: np.ndarray, scale_inv: np.ndarray, block: 
 
   weight_RxC may be a slice of the stored tensor, its [0, 0] at the stored `offset`; scale_inv
   then starts at the block holding that element. The stored shape need not be a multiple of the
-  block: the last block of a row or column covers what is left (as transformers'
-  finegrained_fp8 and vLLM's block-FP8 loaders read DeepSeek-V3's 576-row kv_a_proj_with_mqa)."""
+  block: the last block of a row or column covers what is left (as transformers' finegrained_fp8
+  reads DeepSeek-V3's 576-row kv_a_proj_with_mqa)."""
   rows = (np.arange(weight_RxC.shape[0]) + offset[0]) // block[0] - offset[0] // block[0]
   cols = (np.arange(weight_RxC.shape[1]) + offset[1]) // block[1] - offset[1] // block[1]
   out = weight_RxC.astype(np.float32)

@@ -475,3 +475,9 @@ def test_tied_embeddings_with_a_stored_mtp_head(glm_dir, tmp_path):
     safetensors.torch.save_file(tensors, shard)
   proposer = pretrained.load_mtp(path)
   np.testing.assert_array_equal(np.asarray(proposer.lm_head.weight[...]), embed.numpy())
+
+
+def test_loaders_are_public_at_the_top_level():
+  assert (mtp_jax.from_pretrained, mtp_jax.load_target, mtp_jax.load_mtp, mtp_jax.load_tokenizer) == (
+      pretrained.from_pretrained, pretrained.load_target, pretrained.load_mtp, pretrained.load_tokenizer)
+  assert {"from_pretrained", "load_target", "load_mtp", "load_tokenizer", "families"} <= set(mtp_jax.__all__)
