@@ -160,7 +160,7 @@ def mla_from_hf(config: Mapping) -> MlaConfig | None:
 
 def fp8_from_hf(config: Mapping, dtype: str = "float32", file: str = "config.json") -> Fp8Blocks | None:
   """How a config.json's quantization_config says weights are stored: block-scaled FP8
-  (quant_method "fp8", fmt e4m3, weight_block_size [rows, cols]; DeepSeek-V3 / GLM-4.5 releases),
+  (quant_method "fp8", fmt e4m3, weight_block_size [rows, cols], as DeepSeek-V3's FP8 release),
   dequantized to `dtype` as they are read; None without a quantization_config. Other methods raise
   NotImplementedError naming them, a bad block size validate.InvalidValue naming the key."""
   quant = config.get("quantization_config")

@@ -481,3 +481,24 @@ def test_loaders_are_public_at_the_top_level():
   assert (mtp_jax.from_pretrained, mtp_jax.load_target, mtp_jax.load_mtp, mtp_jax.load_tokenizer) == (
       pretrained.from_pretrained, pretrained.load_target, pretrained.load_mtp, pretrained.load_tokenizer)
   assert {"from_pretrained", "load_target", "load_mtp", "load_tokenizer", "families"} <= set(mtp_jax.__all__)
+
+
+def test_fp8_tensors_without_a_quantization_config_are_named(glm_dir, tmp_path):
+  """FP8 weights with scales but no quantization_config: the scales are named as needing one; an FP8
+  weight without a scale is refused rather than cast."""
+  import safetensors.torch
+  path = _copy(glm_dir[1], tmp_path)
+  _quantize_directory(path)
+  _edit_json(path / "config.json", lambda c: {k: v for k, v in c.items() if k != "quantization_config"})
+  with pytest.raises(NotImplementedError, match=r"weight_scale_inv.*quantization_config, quant_method fp8"):
+    pretrained.load_target(path)
+  index = json.loads((path / "model.safetensors.index.json").read_text())
+  scales = [n for n in index["weight_map"] if n.endswith("_scale_inv")]
+  for shard in sorted(set(index["weight_map"].values())):
+    tensors = safetensors.torch.load_file(path / shard)
+    safetensors.torch.save_file({n: t for n, t in tensors.items() if n not in scales}, path / shard)
+  index["weight_map"] = {n: f for n, f in index["weight_map"].items() if n not in scales}
+  (path / "model.safetensors.index.json").write_text(json.dumps(index))
+  with pytest.raises(ValueError, match=r"tensor 'model\.layers\.\d+\..*_proj\.weight' is stored as float8_e4m3fn "
+                                       "without scales"):
+    pretrained.load_target(path)
