@@ -22,8 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import (Ernie4_5Config, Ernie4_5ForCausalLM, LongcatFlashConfig, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3_5Config, Qwen3NextConfig)
+from transformers import (Ernie4_5Config, Ernie4_5ForCausalLM, Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM,
+                          LongcatFlashConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3_5Config, Qwen3NextConfig)
 from transformers.models.longcat_flash import modeling_longcat_flash as longcat
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
@@ -162,6 +162,42 @@ def test_mtp_forward_equals_engine_reference(tmp_path, family):
   drafts, _ = mtp_jax.propose(proposer, mtp_jax.init_state(proposer.cfg, 1, 32), np.asarray(hidden),
                               toks[:, 1:n + 1].numpy(), np.array([n], np.int32), num_drafts=DEPTHS)
   assert np.asarray(drafts)[0].tolist() == ref_drafts
+
+
+
+def test_ernie4_5_moe_mtp_is_a_dense_block_equal_to_engine_reference(tmp_path):
+  """ERNIE-4.5 MoE (model_type ernie4_5_moe): its MTP block is dense whatever the target's experts.
+  SGLang srt/models/ernie4.py builds Ernie4DecoderLayer(is_mtp=True) with a dense Ernie4MLP of
+  intermediate_size, wired by srt/models/ernie4_eagle.py (Ernie4ModelMTP.forward); vLLM
+  model_executor/models/ernie_mtp.py builds a dense LlamaDecoderLayer. The hidden comes from
+  transformers' Ernie4_5_MoeForCausalLM (mtp_jax builds no ERNIE MoE target: refused by name)."""
+  config = Ernie4_5_MoeConfig(**COMMON, head_dim=8, tie_word_embeddings=True, use_bias=False,
+                              num_nextn_predict_layers=1, moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
+                              moe_layer_start_index=1, moe_num_shared_experts=1)
+  config._attn_implementation = "eager"
+  main = Ernie4_5_MoeForCausalLM(config).eval()
+  _init_all(main, 0)
+  with torch.no_grad():  # the router's correction bias is a buffer transformers leaves as allocated
+    for name, b in main.named_buffers():
+      if name.endswith("e_score_correction_bias"):
+        b.zero_()
+  module = RefModule(config, "ernie").eval()
+  _init_all(module, 1)
+  save_tensors(tmp_path / "model.safetensors", module.released(0) | {
+      "model.embed_tokens.weight": main.model.embed_tokens.weight.detach().numpy()})
+  (tmp_path / "config.json").write_text(config.to_json_string())
+  with pytest.raises(NotImplementedError, match="'ernie4_5_moe' has no target.*MoE target"):
+    mtp_jax.load_target(tmp_path)
+  proposer = load_mtp(tmp_path, dtype="float32", max_depth=DEPTHS)
+  assert proposer.cfg.moe is None and proposer.cfg.intermediate_size == 48
+  assert {k: getattr(proposer.cfg, k) for k in layouts.conventions("ernie4_5")} == layouts.conventions("ernie4_5")
+  n = 10
+  toks = torch.tensor(np.random.default_rng(1).integers(0, V, (1, n + DEPTHS)))
+  with torch.no_grad():
+    hidden = main(toks[:, :n], output_hidden_states=True).hidden_states[-1].numpy()
+  want = reference_chain(main, [module], toks, n, DEPTHS)
+  got = mtp_jax.forward_chain(proposer, jnp.asarray(hidden), jnp.asarray(toks[:, 1:].numpy(), jnp.int32))
+  np.testing.assert_allclose(np.asarray(got[:, 0]), want, rtol=1e-4, atol=1e-4)
 
 
 def _canonical(cfg, seed=0):

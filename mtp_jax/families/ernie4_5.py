@@ -1,6 +1,7 @@
 """Baidu ERNIE-4.5: MTP modules spread over model.mtp_{block,emb_norm,hidden_norm,linear_proj}.{i};
 the residual is handed on and scored with no head norm; interleaved RoPE. Chain: vLLM ernie_mtp.py,
-SGLang ernie4_eagle.py."""
+SGLang ernie4_eagle.py. The MoE models' MTP block is dense too (SGLang's Ernie4DecoderLayer with
+is_mtp, vLLM's LlamaDecoderLayer): their moe_* config fields name no MoE here (moe reads n_routed_experts)."""
 
 from mtp_jax.families.base import Blocks, Conventions, Family, Layout, Sources
 
