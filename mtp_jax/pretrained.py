@@ -83,8 +83,9 @@ def _build(ctor, canonical, tensors: Mapping, what: str, allow_nonfinite: bool =
     if np.dtype(value.dtype).itemsize < 2:
       raise ValueError(f"{what}: tensor {name!r} is stored as {value.dtype} without scales; only float16 / bfloat16 "
                        "/ float32 tensors load, or block-scaled FP8 ones with config.json's quantization_config")
-    if not allow_nonfinite and not np.isfinite(value).all():
-      bad = int(value.size - np.isfinite(value).sum())
+    finite = allow_nonfinite or np.isfinite(value)
+    if not np.all(finite):
+      bad = int(value.size - np.count_nonzero(finite))
       raise validate.InvalidValue(name, f"{what}: tensor {name!r} holds {bad} NaN / inf value(s) of {value.size}; "
                                   "pass allow_nonfinite=True to load it anyway")
     flat.append((path, var.replace(jnp.asarray(value, var.dtype))))
@@ -130,6 +131,7 @@ def _stack_experts(reader, names, prefix: str, proj: str, num_experts: int) -> n
 
 def load_target(path, *, dtype=None, allow_nonfinite: bool = False) -> TargetModel:
   """The target model of a released directory (see `from_pretrained`)."""
+  allow_nonfinite = validate.flag("allow_nonfinite", allow_nonfinite)
   config = read_model_config(path)
   cfg = target_config_from_hf(config, dtype=dtype)
   with CheckpointReader(path, fp8=layouts.fp8_from_hf(config, cfg.dtype)) as reader:
@@ -140,6 +142,7 @@ def load_target(path, *, dtype=None, allow_nonfinite: bool = False) -> TargetMod
 def load_mtp(path, *, dtype=None, max_depth: int | None = None, allow_nonfinite: bool = False,
              **conventions) -> MtpModel:
   """The MTP modules of a released directory; conventions override the family's (MtpConfig fields)."""
+  allow_nonfinite = validate.flag("allow_nonfinite", allow_nonfinite)
   config = read_model_config(path)
   bad = sorted(set(conventions) - set(layouts.CONVENTION_FIELDS))
   if bad:
@@ -168,7 +171,6 @@ def from_pretrained(path, *, dtype=None, max_depth: int | None = None, allow_non
   Bad directories raise validate.InvalidValue / InvalidType naming the file and the key or tensor.
   """
   config = read_model_config(path)
-  allow_nonfinite = validate.flag("allow_nonfinite", allow_nonfinite)
   return (load_target(path, dtype=dtype, allow_nonfinite=allow_nonfinite),
           load_mtp(path, dtype=dtype, max_depth=max_depth, allow_nonfinite=allow_nonfinite, **conventions), config)
 

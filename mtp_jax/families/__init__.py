@@ -61,8 +61,12 @@ def table() -> str:
   rows = ["| family | `model_type` | MTP layout | target | chain from |", "|---|---|---|---|---|"]
   for f in FAMILIES.values():
     types = ", ".join(f"`{t}`" for t in f.model_types)
-    target = ("yes" if f.target == f.model_types else
-              f"{', '.join(f'`{t}`' for t in f.target)}; " * bool(f.target) + f"no: {f.target_refusal}")
+    if f.target == f.model_types:
+      target = "yes"
+    elif f.target:
+      target = f"{', '.join(f'`{t}`' for t in f.target)}; no: {f.target_refusal}"
+    else:
+      target = f"no: {f.target_refusal}"
     rows.append(f"| {f.title} | {types} | {f'`{f.layout}`' if f.layout else '(none released)'} | {target} | "
                 f"{f.sources or '-'} |")
   return "\n".join(rows)
