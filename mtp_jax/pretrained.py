@@ -62,6 +62,9 @@ def target_config_from_hf(config: Mapping, *, dtype=None) -> TargetConfig:
     supported = [t for f in families.FAMILIES.values() for t in f.target]
     raise NotImplementedError(f"config.json: model_type {model_type!r} has no target mtp_jax can build{why} "
                               f"(supported: {', '.join(supported)}); its MTP modules load alone with load_mtp")
+  if config.get("num_hidden_layers") is None:
+    raise validate.InvalidValue("config.json: num_hidden_layers",
+                                "config.json has no 'num_hidden_layers' (the target's layer count)")
   return TargetConfig(**layouts.block_kwargs_from_hf(config), vocab_size=config["vocab_size"],
                       num_layers=config["num_hidden_layers"], dtype=_dtype(config, dtype))
 
