@@ -63,7 +63,8 @@ def detect_layout(names: Iterable[str]) -> str:
 # configs name it num_layers and load MTP modules alone.
 _REQUIRED_INTS = ("vocab_size", "hidden_size", "num_attention_heads")
 _POSITIVE_INTS = ("num_hidden_layers", "num_layers", "num_key_value_heads", "head_dim", "intermediate_size",
-                  "ffn_hidden_size", "n_routed_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size",
+                  "ffn_hidden_size", "n_routed_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "shared_expert_intermediate_size",
                   "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
                   "topk_group", "max_position_embeddings") + _NUM_MTP_KEYS
 _COUNTS = ("n_shared_experts", "first_k_dense_replace")
