@@ -10,15 +10,16 @@ from mtp_jax.tree import DraftTree, TreeSpec
 from mtp_jax.verify import (verify_greedy, verify_relaxed, verify_sampling, verify_tree_greedy,
                             verify_tree_relaxed, verify_tree_sampling)
 from mtp_jax.serving import Engine, GenerateOutput, generate
-from mtp_jax import blocks, checkpoint, data, grammar, layouts, serving, sharding, train  # submodules, as namespaces
+from mtp_jax import blocks, checkpoint, data, families, grammar, layouts, serving, sharding, train  # namespaces
 from mtp_jax.demo import load_demo
-from mtp_jax.pretrained import from_pretrained, load_tokenizer
+from mtp_jax.pretrained import from_pretrained, load_mtp, load_target, load_tokenizer
 
 __all__ = [
-    "BlockConfig", "MlaConfig", "MtpConfig", "RopeScaling", "TargetConfig", "KVCache", "MlaCache", "MtpModel", "forward_chain", "init_mtp",
-    "load_state_dict", "state_dict", "ProposerState", "after_verify", "checked", "init_state",
-    "propose", "reset_slots", "TargetModel", "TargetState", "init_target", "init_target_state",
+    "BlockConfig", "MlaConfig", "MtpConfig", "RopeScaling", "TargetConfig", "KVCache", "MlaCache", "MtpModel",
+    "forward_chain", "init_mtp", "load_state_dict", "state_dict", "ProposerState", "after_verify", "checked",
+    "init_state", "propose", "reset_slots", "TargetModel", "TargetState", "init_target", "init_target_state",
     "load_target_state_dict", "target_state_dict", "target_step", "verify_greedy", "verify_relaxed",
-    "verify_sampling", "verify_tree_greedy", "verify_tree_relaxed", "verify_tree_sampling", "TreeSpec", "DraftTree", "GenerateOutput", "generate", "Engine", "blocks", "checkpoint", "data", "grammar", "layouts",
-    "serving", "sharding", "train", "load_demo", "from_pretrained", "load_tokenizer",
+    "verify_sampling", "verify_tree_greedy", "verify_tree_relaxed", "verify_tree_sampling", "TreeSpec", "DraftTree",
+    "GenerateOutput", "generate", "Engine", "blocks", "checkpoint", "data", "families", "grammar", "layouts",
+    "serving", "sharding", "train", "load_demo", "from_pretrained", "load_target", "load_mtp", "load_tokenizer",
 ]

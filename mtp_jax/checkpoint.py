@@ -1,17 +1,49 @@
-"""safetensors IO: whole-dict save / load, and a lazy reader for single or sharded checkpoints."""
+"""safetensors IO: whole-dict save / load, and a lazy reader for single or sharded checkpoints that
+dequantizes block-scaled FP8 weights as it reads them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from collections.abc import Mapping
 
-import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so BF16 tensors load)
+import ml_dtypes  # also registers bfloat16 with numpy, so BF16 tensors load
 import numpy as np
 import safetensors
 import safetensors.numpy
 
+from mtp_jax import validate
+
 INDEX_SUFFIX = ".safetensors.index.json"
+# safetensors dtypes that safetensors.numpy cannot name: read from the file as ml_dtypes arrays.
+_ML_DTYPES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+              "F8_E8M0": ml_dtypes.float8_e8m0fnu}
+SCALE_SUFFIX = "_scale_inv"  # <name>.weight_scale_inv holds the block scales of <name>.weight
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Blocks:
+  """Block-scaled FP8 weights (config.json quantization_config, quant_method "fp8"): each float8
+  weight [R, C] stored with `<name>.weight_scale_inv` float32[ceil(R / block[0]), ceil(C / block[1])]
+  is dequantized as it is read, to `dtype`."""
+  block: tuple[int, int]
+  dtype: str = "float32"
+
+
+def dequantize_fp8_blocks(weight_RxC: np.ndarray, scale_inv: np.ndarray, block: tuple[int, int],
+                          offset: tuple[int, int] = (0, 0)) -> np.ndarray:
+  """float32[R, C]: each element of a float8 weight times the scale of the block holding it.
+
+  weight_RxC may be a slice of the stored tensor, its [0, 0] at the stored `offset`; scale_inv
+  then starts at the block holding that element. The stored shape need not be a multiple of the
+  block: the last block of a row or column covers what is left (as transformers' finegrained_fp8
+  reads DeepSeek-V3's 576-row kv_a_proj_with_mqa)."""
+  rows = (np.arange(weight_RxC.shape[0]) + offset[0]) // block[0] - offset[0] // block[0]
+  cols = (np.arange(weight_RxC.shape[1]) + offset[1]) // block[1] - offset[1] // block[1]
+  out = weight_RxC.astype(np.float32)
+  out *= scale_inv.astype(np.float32)[rows[:, None], cols[None, :]]
+  return out
 
 
 def save_tensors(path, tensors: Mapping[str, object], *,
@@ -53,12 +85,32 @@ def _find_index_or_file(path: str) -> str:
       f"{path} must hold one .safetensors file or a *{INDEX_SUFFIX}, found {singles or 'none'}")
 
 
-def _read_weight_map(index: str) -> dict[str, str]:
+def read_json(file) -> dict:
+  """The JSON object in `file` (config.json, a shard index). A missing file is a FileNotFoundError;
+  invalid JSON a validate.InvalidValue and any other JSON value (a list, a number) a
+  validate.InvalidType, each naming the file."""
+  file = os.fspath(file)
   try:
-    with open(index) as f:
-      weight_map = json.load(f)["weight_map"]
-  except (ValueError, KeyError, TypeError) as e:
-    raise ValueError(f"{index}: not a shard index with a weight_map ({e})") from e
+    with open(file, encoding="utf-8") as f:
+      value = json.load(f)
+  except UnicodeDecodeError as e:
+    raise validate.InvalidValue(file, f"{file} is not UTF-8 text: {e}") from e
+  except json.JSONDecodeError as e:
+    raise validate.InvalidValue(file, f"{file} is not valid JSON: {e}") from e
+  if not isinstance(value, dict):
+    raise validate.InvalidType(file, f"{file} must hold a JSON object {{...}}, got a JSON {type(value).__name__}")
+  return value
+
+
+def _read_weight_map(index: str) -> dict[str, str]:
+  weight_map = read_json(index).get("weight_map")
+  if not isinstance(weight_map, dict):
+    raise validate.InvalidValue(f"{index}: weight_map", f"{index}: not a shard index: weight_map must be an "
+                                f"object of tensor name -> shard file, got {weight_map!r:.60}")
+  bad = next(((n, v) for n, v in weight_map.items() if not isinstance(v, str) or not v), None)
+  if bad is not None:
+    raise validate.InvalidType(f"{index}: weight_map[{bad[0]!r}]", f"{index}: weight_map[{bad[0]!r}] must name a "
+                               f"shard file (a non-empty string), got {bad[1]!r:.60}")
   folder = os.path.dirname(index)
   return {name: os.path.join(folder, shard) for name, shard in weight_map.items()}
 
@@ -69,14 +121,21 @@ class CheckpointReader:
   Shards are memory-mapped on first use, and only the tensors asked for are copied out.
   """
 
-  def __init__(self, path):
+  def __init__(self, path, *, fp8: Fp8Blocks | None = None):
     self.path = _find_index_or_file(os.fspath(path))
+    self.fp8 = fp8
     self._open = {}  # shard file -> safe_open handle
     self._names_in = {}  # shard file -> the tensor names its header lists
+    self._headers = {}  # shard file -> (its JSON header, where its data starts), for ml_dtypes reads
     if self.path.endswith(INDEX_SUFFIX):
       self._file_of_name = _read_weight_map(self.path)
     else:
       self._file_of_name = dict.fromkeys(self._handle(self.path).keys(), self.path)
+    # With fp8: weight name -> its scale's name; the scales are read with their weights, not listed.
+    self._scale_of = {} if fp8 is None else {
+        n.removesuffix(SCALE_SUFFIX): n for n in self._file_of_name
+        if n.endswith(".weight" + SCALE_SUFFIX) and n.removesuffix(SCALE_SUFFIX) in self._file_of_name}
+    self._scales = set(self._scale_of.values())
 
   def _handle(self, file: str):
     if file not in self._open:
@@ -91,27 +150,58 @@ class CheckpointReader:
     return self._open[file]
 
   def keys(self) -> list[str]:
-    return list(self._file_of_name)
+    """Every tensor name, less the FP8 scales read with their weights."""
+    return [n for n in self._file_of_name if n not in self._scales]
 
   def __contains__(self, name: str) -> bool:
-    return name in self._file_of_name
+    return name in self._file_of_name and name not in self._scales
 
   def _file_of(self, name: str) -> str:
     file = self._file_of_name.get(name)
     if file is None:
       raise KeyError(f"tensor {name!r} is not in checkpoint {self.path}")
+    if not os.path.isfile(file):
+      raise FileNotFoundError(f"checkpoint {self.path} puts tensor {name!r} in a missing shard file {file}")
     self._handle(file)
     if name not in self._names_in[file]:
       raise KeyError(f"tensor {name!r} is listed in {self.path} but missing from shard {file}")
     return file
 
-  def get(self, name: str) -> np.ndarray:
-    """The tensor with its stored shape and dtype (BF16 comes back as ml_dtypes.bfloat16)."""
+  def _stored(self, name: str) -> np.ndarray:
     file = self._file_of(name)
     try:
-      return self._handle(file).get_tensor(name)
+      dtype = self._handle(file).get_slice(name).get_dtype()
+      if dtype not in _ML_DTYPES:
+        return self._handle(file).get_tensor(name)
+      if file not in self._headers:
+        with open(file, "rb") as f:
+          size = int.from_bytes(f.read(8), "little")
+          self._headers[file] = json.loads(f.read(size)), 8 + size
+      header, start = self._headers[file]
+      begin, end = header[name]["data_offsets"]
+      data = np.fromfile(file, dtype=np.uint8, count=end - begin, offset=start + begin)
+      return data.view(_ML_DTYPES[dtype]).reshape(header[name]["shape"])
     except Exception as e:  # the rust reader's errors carry no type worth telling apart
       raise ValueError(f"could not read tensor {name!r} from {file}: {e}") from e
+
+  def get(self, name: str) -> np.ndarray:
+    """The tensor with its stored shape and dtype (BF16 comes back as ml_dtypes.bfloat16, FP8 as
+    ml_dtypes.float8_*), except that with `fp8` a float8 weight stored with a scale comes back
+    dequantized (`dequantize_fp8_blocks`), as fp8.dtype."""
+    value = self._stored(name)
+    scale_name = self._scale_of.get(name)
+    if scale_name is None:
+      return value
+    if value.dtype not in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
+      raise ValueError(f"{self.path}: tensor {name!r} has a scale {scale_name!r} but is stored as {value.dtype}, "
+                       "not float8")
+    scale = self._stored(scale_name)
+    block = self.fp8.block
+    want = tuple(-(-n // b) for n, b in zip(value.shape, block))
+    if value.ndim != 2 or scale.shape != want:
+      raise ValueError(f"{self.path}: scale {scale_name!r} has shape {scale.shape}, expected {want} for weight "
+                       f"{name!r} of shape {value.shape} in blocks of {block} (quantization_config.weight_block_size)")
+    return dequantize_fp8_blocks(value, scale, block).astype(self.fp8.dtype)
 
   def __getitem__(self, name: str) -> np.ndarray:
     return self.get(name)

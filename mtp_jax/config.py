@@ -232,7 +232,7 @@ class MtpConfig(BlockConfig):
   """K chained MTP modules (DeepSeek-V3 layout, dense blocks) and how the chain is wired.
 
   vocab_size: V; hidden_size: D; num_modules: K (modules with weights of their own).
-  The chain conventions below default to transformers' `MtpModel`; `layouts.CONVENTIONS`
+  The chain conventions below default to transformers' `MtpModel`; `mtp_jax.families`
   holds each family's values (docs/checkpoints.md says where each comes from):
   pass_normed_hidden: hand the next depth shared_head_norm(h) instead of the residual h.
   head_norm: apply shared_head_norm before the LM head (ERNIE-4.5 applies none: the module

@@ -1,11 +1,11 @@
-"""Real MTP checkpoint layouts (DeepSeek-V3 / GLM-4.5, MiMo, ERNIE-4.5, Qwen3-Next, LongCat-Flash,
-MiMo-V2) onto mtp_jax's names, and each family's chain conventions.
+"""Released MTP checkpoints onto mtp_jax's names, and HF config.json files onto its configs, as
+each family's record says (`mtp_jax.families`: one module per family).
 
 Dense and MoE FFNs are supported; docs/checkpoints.md lists the names and every layout's mapping.
 Routed experts are stored one tensor per expert (mlp.experts.{e}.{gate,up,down}_proj.weight,
 torch [out, in]) in every layout, canonical files included, and stacked into mtp_jax's
 mlp.experts.{gate,up,down}_proj ([E, in, out], see blocks/moe.py) on load.
-Each family's chain conventions are in CONVENTIONS (sources in docs/checkpoints.md).
+Each family's chain conventions are in its record (sources in docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -19,71 +19,15 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 from flax import nnx
 
-from mtp_jax import mtp
-from mtp_jax.checkpoint import CheckpointReader, save_tensors
+from mtp_jax import families, mtp, validate
+from mtp_jax.families import base
+from mtp_jax.checkpoint import CheckpointReader, Fp8Blocks, read_json, save_tensors
 from mtp_jax.config import MlaConfig, MoeConfig, MtpConfig, RopeScaling
 
-LAYOUTS = ("canonical", "deepseek", "mimo", "ernie", "qwen3_next", "longcat", "mimo_v2")
-
-# Each family's chain: its HF model_types, tensor layout and MtpConfig conventions.
-# Where transformers' MtpModel covers a family (DeepSeek-V3, GLM-4.5) its behaviour is the default
-# (post-norm hidden chained, no position-0 mask); elsewhere vLLM's MTP model file (SGLang where
-# vLLM has no rule). Every target hands module 1 its post-final-norm hidden (TargetConfig
-# default); concat order is fixed at load time (MiMo's input_proj halves are swapped).
-# depth_reuse "cycle" is vLLM's spec_step_idx % num_mtp_layers. Sources: docs/checkpoints.md.
-CONVENTIONS = {
-    "deepseek_v3": dict(model_types=("deepseek_v3",), layout="deepseek", pass_normed_hidden=True,
-                        head_norm=True, mask_first_embedding=False, depth_reuse="cycle"),
-    "glm4_moe": dict(model_types=("glm4_moe",), layout="deepseek", pass_normed_hidden=True,
-                     head_norm=True, mask_first_embedding=False, depth_reuse="cycle"),
-    "mimo": dict(model_types=("mimo",), layout="mimo", pass_normed_hidden=True, head_norm=True,
-                 mask_first_embedding=True, depth_reuse="cycle"),
-    "ernie4_5": dict(model_types=("ernie4_5", "ernie4_5_moe"), layout="ernie", pass_normed_hidden=False,
-                     head_norm=False, mask_first_embedding=True, depth_reuse="cycle"),
-    "qwen3_next": dict(model_types=("qwen3_next", "qwen3_5", "qwen3_5_moe"), layout="qwen3_next",
-                       pass_normed_hidden=True, head_norm=True, mask_first_embedding=False,
-                       depth_reuse="cycle"),
-    "longcat_flash": dict(model_types=("longcat_flash",), layout="longcat", pass_normed_hidden=True,
-                          head_norm=True, mask_first_embedding=False, depth_reuse="cycle"),
-    "mimo_v2_flash": dict(model_types=("mimo_v2_flash", "mimo_v2"), layout="mimo_v2",
-                          pass_normed_hidden=True, head_norm=True, mask_first_embedding=False,
-                          depth_reuse="cycle"),
-}
-CONVENTION_FIELDS = ("pass_normed_hidden", "head_norm", "mask_first_embedding", "depth_reuse")
-
-# The tensor that only that layout has, for detect_layout.
-_SIGNATURES = {
-    "canonical": r"mtp\.\d+\.eh_proj\.weight",
-    "deepseek": r"model\.layers\.\d+\.eh_proj\.weight",
-    "mimo": r"model\.mtp_layers\.\d+\.input_proj\.weight",
-    "ernie": r"model\.mtp_linear_proj\.\d+\.weight",
-    "qwen3_next": r"mtp\.fc\.weight",
-    "longcat": r"model\.mtp\.layers\.\d+\.enorm\.m\.weight",
-    "mimo_v2": r"model\.mtp\.layers\.\d+\.final_layernorm\.weight",
-}
-
+LAYOUTS = tuple(families.LAYOUTS)
+CONVENTION_FIELDS = tuple(f.name for f in dataclasses.fields(families.Conventions))
 # HF config keys for the number of MTP modules: DeepSeek / GLM / MiMo, Qwen3-Next, others.
 _NUM_MTP_KEYS = ("num_nextn_predict_layers", "mtp_num_hidden_layers", "num_mtp_layers")
-
-_MIMO_NAMES = {"enorm.weight": "token_layernorm.weight",
-               "hnorm.weight": "hidden_layernorm.weight",
-               "eh_proj.weight": "input_proj.weight",
-               "shared_head.norm.weight": "final_layernorm.weight"}
-_ERNIE_NAMES = {"enorm.weight": "model.mtp_emb_norm.{i}.weight",
-                "hnorm.weight": "model.mtp_hidden_norm.{i}.weight",
-                "eh_proj.weight": "model.mtp_linear_proj.{i}.weight"}
-# LongCat-Flash: one final norm for all modules; the MLP sits under transformer_layer.
-_LONGCAT_NAMES = {"enorm.weight": "enorm.m.weight", "hnorm.weight": "hnorm.m.weight",
-                  "mlp.gate_proj.weight": "transformer_layer.mlp.gate_proj.weight",
-                  "mlp.up_proj.weight": "transformer_layer.mlp.up_proj.weight",
-                  "mlp.down_proj.weight": "transformer_layer.mlp.down_proj.weight"}
-_MIMO_V2_NAMES = {"post_attention_layernorm.weight": "pre_mlp_layernorm.weight",
-                  "shared_head.norm.weight": "final_layernorm.weight"}
-# One set shared by every Qwen3-Next MTP layer.
-_QWEN3_NEXT_SHARED = {"enorm.weight": "mtp.pre_fc_norm_embedding.weight",
-                      "hnorm.weight": "mtp.pre_fc_norm_hidden.weight",
-                      "eh_proj.weight": "mtp.fc.weight",
-                      "shared_head.norm.weight": "mtp.norm.weight"}
 
 
 # The stacked expert weights; each is read from and written as one tensor per expert.
@@ -104,117 +48,145 @@ def canonical_shapes(cfg: MtpConfig) -> dict[str, tuple[int, ...]]:
 
 
 def detect_layout(names: Iterable[str]) -> str:
-  """Which of LAYOUTS a checkpoint's tensor names follow."""
+  """Which of LAYOUTS a checkpoint's tensor names follow (each family's `Layout.signature`)."""
   names = list(names)
-  found = [layout for layout, pattern in _SIGNATURES.items()
-           if any(re.fullmatch(pattern, n) for n in names)]
+  found = [name for name, layout in families.LAYOUTS.items()
+           if any(re.fullmatch(layout.signature, n) for n in names)]
   if len(found) != 1:
-    wanted = ", ".join(f"{layout}: {p}" for layout, p in _SIGNATURES.items())
+    wanted = ", ".join(f"{name}: {layout.signature}" for name, layout in families.LAYOUTS.items())
     raise ValueError(f"cannot tell the MTP layout (matches {found or 'none'}); looked for {wanted}")
   return found[0]
 
 
-# Defaults transformers' config classes apply when config.json leaves a field out.
-_FAMILY_PARTIAL_ROTARY = {"glm4_moe": 0.5, "qwen3_next": 0.25}
-_INTERLEAVED_ROPE = ("ernie4_5", "ernie4_5_moe")
-# Block options a family always has, which its config.json does not spell out. Qwen3-Next's
-# full-attention layer (transformers' Qwen3NextAttention, vLLM's qwen3_next.py): per-head q / k
-# RMSNorms, q_proj giving per head [q | gate], and zero-centred (1 + w) RMSNorms throughout.
-FAMILY_BLOCKS = {"qwen3_next": dict(qk_norm=True, attention_gate=True, norm_unit_offset=True)}
-# Families whose MLA is mtp_jax's (blocks/mla.py); LongCat-Flash's also scales q and the latent.
-_MLA_TYPES = ("deepseek_v3", "longcat_flash")
-# LongCat-Flash: the MTP module's FFN is dense (vLLM longcat_flash_mtp.py clears n_routed_experts),
-# its width ffn_hidden_size (transformers' LongcatFlashConfig); one module when the config says
-# nothing (SGLang's LongcatFlashConfig default num_nextn_predict_layers=1).
-_DENSE_MTP_TYPES = ("longcat_flash",)
-_FAMILY_NUM_MTP = {"longcat_flash": 1}
+# config.json fields mtp_jax reads, by kind; each is checked (named with its file) before use.
+# num_hidden_layers is the target's (pretrained.target_config_from_hf requires it); LongCat-Flash's
+# configs name it num_layers and load MTP modules alone.
+_REQUIRED_INTS = ("vocab_size", "hidden_size", "num_attention_heads")
+_POSITIVE_INTS = ("num_hidden_layers", "num_layers", "num_key_value_heads", "head_dim", "intermediate_size",
+                  "ffn_hidden_size", "n_routed_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "shared_expert_intermediate_size",
+                  "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
+                  "topk_group", "max_position_embeddings") + _NUM_MTP_KEYS
+_COUNTS = ("n_shared_experts", "first_k_dense_replace")
+_POSITIVE_REALS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor", "routed_scaling_factor")
+_FLAGS = ("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_prob", "rope_interleave", "use_bias")
+_OBJECTS = ("rope_scaling", "rope_parameters", "quantization_config")
+
+
+def text_fields(config: Mapping, file: str = "config.json") -> Mapping:
+  """The language model's config: a multimodal config.json's text_config (Qwen3.5; vLLM reads it as
+  hf_text_config) lifted over its top level, model_type kept from the top level (the family's);
+  configs without one unchanged."""
+  text = config.get("text_config")
+  if text is None:
+    return config
+  if not isinstance(text, Mapping):
+    raise validate.InvalidType(f"{file}: text_config", f"{file}: text_config must be a JSON object, got {text!r:.60}")
+  return {**config, **text, "model_type": config.get("model_type")}
+
+
+def check_hf_config(config: Mapping, file: str = "config.json") -> Mapping:
+  """config as mtp_jax reads it (`text_fields`), once every field it reads has the right type and
+  range: raises validate.InvalidValue / InvalidType whose `.argument` is "<file>: <key>" (e.g. a
+  missing vocab_size, a string head_dim, a negative rms_norm_eps). Fields set to null count as
+  absent, except the required ones. Configs written by save_canonical ({"mtp_jax": ...}) pass as
+  they are."""
+  if "mtp_jax" in config:
+    return config
+  config = text_fields(config, file)
+  for key in _REQUIRED_INTS:
+    if config.get(key) is None:
+      raise validate.InvalidValue(f"{file}: {key}", f"{file} has no {key!r} (a positive int every model needs)")
+  for key in _REQUIRED_INTS + _POSITIVE_INTS:
+    if config.get(key) is not None:
+      validate.positive_int(f"{file}: {key}", config[key])
+  for key in _COUNTS:
+    if config.get(key) is not None:
+      validate.integer(f"{file}: {key}", config[key], 0)
+  for key in _POSITIVE_REALS:
+    if config.get(key) is not None:
+      validate.real(f"{file}: {key}", config[key], 0, lo_open=True)
+  for key in _FLAGS:
+    if config.get(key) is not None:
+      validate.flag(f"{file}: {key}", config[key])
+  for key in _OBJECTS:
+    if config.get(key) is not None and not isinstance(config[key], Mapping):
+      raise validate.InvalidType(f"{file}: {key}", f"{file}: {key} must be a JSON object or null, "
+                                 f"got {config[key]!r:.60}")
+  for key in ("model_type", "hidden_act", "dtype", "torch_dtype"):
+    if config.get(key) is not None and not isinstance(config[key], str):
+      raise validate.InvalidType(f"{file}: {key}", f"{file}: {key} must be a string, got {config[key]!r:.60}")
+  return config
 
 
 def _load_json(config):
   if isinstance(config, Mapping):
-    return config
-  with open(config) as f:
-    return json.load(f)
+    return text_fields(config)
+  return check_hf_config(read_json(config), os.fspath(config))
 
 
 def family_of(config: Mapping, layout: str | None = None) -> str | None:
-  """The CONVENTIONS family of an HF config (by model_type), else of a layout; None for neither."""
-  model_type = config.get("model_type")
-  for family, conv in CONVENTIONS.items():
-    if model_type in conv["model_types"]:
-      return family
-  for family, conv in CONVENTIONS.items():
-    if layout is not None and conv["layout"] == layout:
-      return family
-  return None
+  """The name of the family of an HF config (by model_type), else of a layout; None for neither."""
+  family = families.family_of(config, layout)
+  return family.name if family else None
 
 
 def conventions(family: str | None) -> dict:
-  """MtpConfig chain fields of a family (empty for None: MtpConfig's defaults)."""
+  """MtpConfig chain fields of a family (empty for None or a family without MTP: MtpConfig's defaults)."""
   if family is None:
     return {}
-  if family not in CONVENTIONS:
-    raise ValueError(f"unknown family {family!r}; expected one of {sorted(CONVENTIONS)}")
-  return {k: CONVENTIONS[family][k] for k in CONVENTION_FIELDS}
+  conv = families.get(family).conventions
+  return dataclasses.asdict(conv) if conv else {}
 
 
 def moe_from_hf(config: Mapping) -> MoeConfig | None:
-  """The MoE FFN of a DeepSeek-V3 / GLM-4.5 (n_routed_experts) or Qwen3-Next (num_experts)
-  config.json, else None.
-
-  DeepSeek-V3 and GLM-4.5 route with sigmoid scores and an e_score_correction_bias (transformers'
-  DeepseekV3 / Glm4Moe TopkRouter; DeepSeek-V3's config says so in scoring_func / topk_method).
-  Qwen3-Next routes with softmax scores and adds one shared expert scaled by
-  sigmoid(shared_expert_gate(x)) (transformers' Qwen3NextSparseMoeBlock)."""
-  if family_of(config) == "qwen3_next" and config.get("num_experts"):
-    shared = config.get("shared_expert_intermediate_size") or 0
-    return MoeConfig(num_experts=config["num_experts"], num_experts_per_tok=config["num_experts_per_tok"],
-                     moe_intermediate_size=config["moe_intermediate_size"], scoring="softmax",
-                     norm_topk_prob=config.get("norm_topk_prob", True), n_shared_experts=1 if shared else 0,
-                     shared_expert_intermediate_size=shared or None, shared_expert_gate=bool(shared))
-  if not config.get("n_routed_experts") or config.get("model_type") in _DENSE_MTP_TYPES:
-    return None
-  scoring = config.get("scoring_func", "sigmoid")
-  if config.get("topk_method", "noaux_tc") != "noaux_tc":
-    raise ValueError(f"config.json: topk_method {config['topk_method']!r} is not supported, only 'noaux_tc'")
-  return MoeConfig(num_experts=config["n_routed_experts"], num_experts_per_tok=config["num_experts_per_tok"],
-                   moe_intermediate_size=config["moe_intermediate_size"], scoring=scoring,
-                   e_score_correction_bias=True, n_group=config.get("n_group") or 1,
-                   topk_group=config.get("topk_group") or 1, norm_topk_prob=config.get("norm_topk_prob", True),
-                   routed_scaling_factor=float(config.get("routed_scaling_factor", 1.0)),
-                   n_shared_experts=config.get("n_shared_experts") or 0,
-                   first_k_dense_replace=config.get("first_k_dense_replace", 0))
+  """The MoE FFN of an HF config.json as its family reads it (`Family.moe`; DeepSeek-V3's sigmoid
+  routing for configs of no family), else None."""
+  family = families.family_of(config)
+  return (family.moe if family else families.base.sigmoid_moe)(config)
 
 
 def mla_from_hf(config: Mapping) -> MlaConfig | None:
-  """The MLA attention of a DeepSeek-V3 or LongCat-Flash config.json (kv_lora_rank set), else None.
-
-  LongCat-Flash scales the query by sqrt(hidden_size / q_lora_rank) and the normed latent by
-  sqrt(hidden_size / kv_lora_rank) (transformers' LongcatFlashMLA always; SGLang / vLLM fold them
-  into q_a_layernorm / kv_a_layernorm when mla_scale_q_lora / mla_scale_kv_lora, default true)."""
+  """The MLA attention of a config.json (kv_lora_rank set) of a family with MLA (`Family.mla`,
+  which adds the family's scales), else None."""
   if not config.get("kv_lora_rank"):
     return None
-  model_type = config.get("model_type")
-  if model_type not in _MLA_TYPES:
-    raise ValueError(f"config.json: MLA (kv_lora_rank) of model_type {model_type!r} is not "
-                     f"supported, only {', '.join(_MLA_TYPES)}'s")
-  scales = {}
-  if model_type == "longcat_flash":
-    d, q_rank, kv_rank = config["hidden_size"], config.get("q_lora_rank"), config["kv_lora_rank"]
-    if config.get("mla_scale_q_lora", True):
-      if not q_rank:
-        raise ValueError("config.json: mla_scale_q_lora needs q_lora_rank (LongCat-Flash always has a q LoRA)")
-      scales["q_lora_scale"] = (d / q_rank) ** 0.5
-    if config.get("mla_scale_kv_lora", True):
-      scales["kv_lora_scale"] = (d / kv_rank) ** 0.5
+  family = families.family_of(config)
+  if family is None or family.mla is None:
+    with_mla = ", ".join(f.name for f in families.FAMILIES.values() if f.mla is not None)
+    raise ValueError(f"config.json: MLA (kv_lora_rank) of model_type {config.get('model_type')!r} is not "
+                     f"supported, only {with_mla}'s")
   return MlaConfig(kv_lora_rank=config["kv_lora_rank"], q_lora_rank=config.get("q_lora_rank"),
                    qk_nope_head_dim=config["qk_nope_head_dim"], qk_rope_head_dim=config["qk_rope_head_dim"],
-                   v_head_dim=config["v_head_dim"], **scales)
+                   v_head_dim=config["v_head_dim"], **family.mla(config))
+
+
+def fp8_from_hf(config: Mapping, dtype: str = "float32", file: str = "config.json") -> Fp8Blocks | None:
+  """How a config.json's quantization_config says weights are stored: block-scaled FP8
+  (quant_method "fp8", fmt e4m3, weight_block_size [rows, cols], as DeepSeek-V3's FP8 release),
+  dequantized to `dtype` as they are read; None without a quantization_config. Other methods raise
+  NotImplementedError naming them, a bad block size validate.InvalidValue naming the key."""
+  quant = config.get("quantization_config")
+  if not quant:
+    return None
+  method = quant.get("quant_method")
+  if method != "fp8":
+    raise NotImplementedError(f"{file}: quantization_config.quant_method {method!r} is not supported, only "
+                              "'fp8' (block-scaled float8_e4m3fn weights)")
+  if quant.get("fmt", "e4m3") != "e4m3":
+    raise NotImplementedError(f"{file}: quantization_config.fmt {quant['fmt']!r} is not supported, only 'e4m3'")
+  block = quant.get("weight_block_size")
+  key = f"{file}: quantization_config.weight_block_size"
+  if not isinstance(block, list) or len(block) != 2:
+    raise validate.InvalidValue(key, f"{key} must be [rows, cols] (per-block scales; per-tensor FP8 is not "
+                                f"supported), got {block!r}")
+  return Fp8Blocks(block=(validate.positive_int(key, block[0]), validate.positive_int(key, block[1])), dtype=dtype)
 
 
 def block_kwargs_from_hf(config: Mapping) -> dict:
   """BlockConfig fields from an HF config.json; settings mtp_jax cannot honour raise ValueError."""
-  model_type = config.get("model_type")
+  family = families.family_of(config)
+  blocks = family.blocks if family else families.Blocks()
   rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
   rope_type = rope.get("rope_type", rope.get("type", "default"))
   scaling = None
@@ -234,15 +206,13 @@ def block_kwargs_from_hf(config: Mapping) -> dict:
   return dict(
       # transformers' family defaults where config.json leaves them out (GLM-4.5 0.5, Qwen3-Next 0.25).
       partial_rotary_factor=float(config.get("partial_rotary_factor", rope.get(
-          "partial_rotary_factor", _FAMILY_PARTIAL_ROTARY.get(model_type, 1.0)))),
-      # ERNIE-4.5 rotates interleaved pairs (transformers' ernie4_5 rotate_half, SGLang's
-      # rope_is_neox_style False); DeepSeek-V3 says so in rope_interleave, whose transformers
-      # default (True) its MLA reads.
-      rope_interleave=bool(config.get("rope_interleave", model_type in _INTERLEAVED_ROPE or mla is not None)),
+          "partial_rotary_factor", blocks.partial_rotary_factor))),
+      # DeepSeek-V3 says so in rope_interleave, whose transformers default (True) its MLA reads.
+      rope_interleave=bool(config.get("rope_interleave", blocks.rope_interleave or mla is not None)),
       rope_scaling=scaling,
       mla=mla,
-      # GLM-4.5's per-head q / k RMSNorms (use_qk_norm); Qwen3-Next's from FAMILY_BLOCKS below.
-      qk_norm=bool(config.get("use_qk_norm", False)),
+      # GLM-4.5's per-head q / k RMSNorms (use_qk_norm); Qwen3-Next always has them.
+      qk_norm=bool(config.get("use_qk_norm", blocks.qk_norm)),
       moe=moe_from_hf(config),
       hidden_size=config["hidden_size"],
       num_heads=heads,
@@ -253,48 +223,28 @@ def block_kwargs_from_hf(config: Mapping) -> dict:
       intermediate_size=config.get("intermediate_size") or config["ffn_hidden_size"],
       rms_norm_eps=config.get("rms_norm_eps", 1e-6),
       rope_theta=float(config.get("rope_theta", rope.get("rope_theta", 10000.0))),
-      # Qwen2-family configs (MiMo) have no attention_bias key: their q, k, v always carry biases.
-      attention_bias=config.get("attention_bias", model_type in ("qwen2", "mimo")),
-  ) | FAMILY_BLOCKS.get(family_of(config), {})
+      attention_bias=config.get("attention_bias", blocks.attention_bias),
+      attention_gate=blocks.attention_gate,
+      norm_unit_offset=blocks.norm_unit_offset,
+  )
 
 
 def config_from_hf(config: Mapping | str | os.PathLike, *, layout: str | None = None) -> MtpConfig:
   """An MtpConfig from an HF config.json (dict or path), or from one written by save_canonical.
 
-  The chain conventions are the family's (CONVENTIONS, by model_type, else by `layout`);
+  The chain conventions are the family's (`Family.conventions`, by model_type, else by `layout`);
   a config of neither keeps MtpConfig's defaults. Settings mtp_jax cannot honour (RoPE
   scaling, partial rotary, non-SiLU MLPs) raise ValueError.
   """
   config = _load_json(config)
   if "mtp_jax" in config:
     return MtpConfig(**config["mtp_jax"])
-  num_modules = next((config[k] for k in _NUM_MTP_KEYS if config.get(k)),
-                     _FAMILY_NUM_MTP.get(config.get("model_type")))
+  family = families.family_of(config, layout)
+  num_modules = next((config[k] for k in _NUM_MTP_KEYS if config.get(k)), family.num_mtp if family else None)
   if num_modules is None:
     raise ValueError(f"config has no MTP modules (none of {_NUM_MTP_KEYS} is set and positive)")
   return MtpConfig(**block_kwargs_from_hf(config), vocab_size=config["vocab_size"], num_modules=num_modules,
                    **conventions(family_of(config, layout)))
-
-
-def _swap_halves(w: np.ndarray) -> np.ndarray:
-  # MiMo's input_proj reads concat(hidden, embedding); eh_proj reads concat(embedding, hidden).
-  half = w.shape[1] // 2
-  return np.concatenate([w[:, half:], w[:, :half]], axis=1)
-
-
-def _plus_one(w: np.ndarray) -> np.ndarray:
-  # Qwen3-Next stores its RMSNorm weights zero-centred (scale 1 + weight). A config with
-  # norm_unit_offset reads them as stored; one without gets 1 + weight, in float32 so bf16
-  # weights near 0 keep their precision.
-  return w.astype(np.float32) + 1.0
-
-
-def _first_deepseek_layer(names: Iterable[str]) -> int:
-  layers = [int(m.group(1)) for n in names
-            if (m := re.fullmatch(r"model\.layers\.(\d+)\.eh_proj\.weight", n))]
-  if not layers:
-    raise ValueError("deepseek checkpoint has no model.layers.<n>.eh_proj.weight")
-  return min(layers)
 
 
 def _plan(layout, cfg, names, first_layer, tied):
@@ -306,46 +256,12 @@ def _plan(layout, cfg, names, first_layer, tied):
   """
   suffixes = [n.split(".", 2)[2] for n in canonical_shapes(cfg) if n.startswith("mtp.0.")]
   ks = range(cfg.num_modules)
-  embed, head = ["model.embed_tokens.weight"], ["lm_head.weight"]
-  if layout == "canonical":
-    prefixes = [f"mtp.{i}." for i in ks]
-    source = lambda i, s: (f"mtp.{i}.{s}", None)
-    embed = ["embed_tokens.weight"]
-  elif layout == "deepseek":
-    first = _first_deepseek_layer(names) if first_layer is None else first_layer
-    prefixes = [f"model.layers.{first + i}." for i in ks]
-    source = lambda i, s: (prefixes[i] + s, None)
-    embed = [p + "embed_tokens.weight" for p in prefixes
-             if p + "embed_tokens.weight" in names] or embed
-    head = [p + "shared_head.head.weight" for p in prefixes
-            if p + "shared_head.head.weight" in names] or head
-  elif layout == "mimo":
-    prefixes = [f"model.mtp_layers.{i}." for i in ks]
-    source = lambda i, s: (prefixes[i] + _MIMO_NAMES.get(s, s),
-                           _swap_halves if s == "eh_proj.weight" else None)
-    # MiMo's q, k, v biases sit where the canonical ones do: no renaming needed.
-  elif layout == "ernie":
-    prefixes = [f"model.{part}.{i}." for i in ks
-                for part in ("mtp_block", "mtp_emb_norm", "mtp_hidden_norm", "mtp_linear_proj")]
-    source = lambda i, s: (_ERNIE_NAMES[s].format(i=i) if s in _ERNIE_NAMES else f"model.mtp_block.{i}.{s}",
-                           None)
-  elif layout == "longcat":
-    prefixes = [f"model.mtp.layers.{i}." for i in ks] + ["model.mtp.norm.", "model.mtp.embed_tokens."]
-    source = lambda i, s: ("model.mtp.norm.weight" if s == "shared_head.norm.weight" else
-                           f"model.mtp.layers.{i}.{_LONGCAT_NAMES.get(s, s)}", None)
-    embed = [n for n in ["model.mtp.embed_tokens.weight"] if n in names] or embed
-  elif layout == "mimo_v2":
-    prefixes = [f"model.mtp.layers.{i}." for i in ks]
-    source = lambda i, s: (f"model.mtp.layers.{i}.{_MIMO_V2_NAMES.get(s, s)}", None)
-  elif layout == "qwen3_next":
-    prefixes = [f"mtp.layers.{i}." for i in ks] + [
-        n.removesuffix("weight") for n in _QWEN3_NEXT_SHARED.values()]
-    source = lambda i, s: (_QWEN3_NEXT_SHARED.get(s, f"mtp.layers.{i}.{s}"),
-                           _plus_one if s.endswith("norm.weight") and not cfg.norm_unit_offset else None)
-  else:
+  if layout not in families.LAYOUTS:
     raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
-  if tied:  # tie_word_embeddings: the LM head is the (main) embedding matrix
-    head = embed
+  where = families.LAYOUTS[layout].sources(cfg, names, first_layer)
+  source, embed, head = where.source, list(where.embed), list(where.head)
+  if tied:  # tie_word_embeddings: the LM head is the embedding; heads a layout stores must equal it
+    head = embed + [n for n in head if n in names and n not in base.DEFAULT_HEAD]
   plan = {}
   for i in ks:
     for s in suffixes:
@@ -358,7 +274,7 @@ def _plan(layout, cfg, names, first_layer, tied):
         plan[f"mtp.{i}.{s}"] = ([name], transform, False)
   plan["embed_tokens.weight"] = (embed, None, False)
   plan["lm_head.weight"] = (head, None, False)
-  return plan, tuple(prefixes)
+  return plan, where.prefixes
 
 
 def _shape(source, name: str) -> tuple[int, ...]:
@@ -390,8 +306,8 @@ def to_canonical(source: Mapping | CheckpointReader, layout: str, cfg: MtpConfig
     raise NotImplementedError(
         f"{layout} checkpoint tensor {unused[0]!r}{hint} has no place in this config's MTP module"
         f"{f' ({len(unused) - 1} more like it)' if len(unused) > 1 else ''}: only dense blocks "
-        "are supported, or MoE FFNs with a moe config, or MLA with an mla config (no "
-        "quantization scales)")
+        "are supported, or MoE FFNs with a moe config, or MLA with an mla config (quantization scales "
+        "need config.json's quantization_config, quant_method fp8)")
   shapes = canonical_shapes(cfg)
   out, loaded = {}, {}
   for canonical, (sources, transform, stacked) in plan.items():
@@ -411,6 +327,10 @@ def to_canonical(source: Mapping | CheckpointReader, layout: str, cfg: MtpConfig
       continue
     for name in sources[1:]:
       if not np.array_equal(loaded[name], loaded[sources[0]]):
+        if tied and canonical == "lm_head.weight":
+          raise ValueError(f"{layout} checkpoint: config.json sets tie_word_embeddings, so the LM head is the "
+                           f"embedding {sources[0]!r}, but the stored head {name!r} differs from it (set "
+                           "tie_word_embeddings to false to score with the stored head)")
         raise ValueError(f"{layout} checkpoint tensors {sources[0]!r} and {name!r} differ, but "
                          f"mtp_jax shares one {canonical} across all MTP modules")
     first = loaded[sources[0]]
@@ -429,11 +349,12 @@ def read_mtp_checkpoint(path, *,
     config_path = os.path.join(os.path.dirname(reader.path), "config.json")
     if not os.path.isfile(config_path):
       raise FileNotFoundError(f"no config.json beside {reader.path}")
-    with open(config_path) as f:
-      hf = json.load(f)
+    hf = check_hf_config(read_json(config_path), config_path)
+  with CheckpointReader(path, fp8=fp8_from_hf(hf, file=config_path)) as reader:
     layout = layout or detect_layout(reader.keys())
     cfg = config_from_hf(hf, layout=layout)
-    first_layer = hf.get("num_hidden_layers") if layout == "deepseek" else None
+    key = families.LAYOUTS[layout].first_layer_key
+    first_layer = hf.get(key) if key else None
     return cfg, to_canonical(reader, layout, cfg, first_layer=first_layer,
                              tied=bool(hf.get("tie_word_embeddings", False)))
 

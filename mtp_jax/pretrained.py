@@ -5,14 +5,13 @@ target, its MTP proposer and a tokenizer.
 
 Targets: GQA decoders of the Llama / Qwen2 / MiMo, GLM-4.5 (dense and MoE layers) and ERNIE-4.5
 (dense) families, and DeepSeek-V3 (MLA in every layer, dense then MoE FFNs). MTP modules: every layout of `layouts` whose blocks mtp_jax runs. The chain follows the
-family's conventions (`layouts.CONVENTIONS`); keyword arguments override them.
+family's conventions (its record in `mtp_jax.families`); keyword arguments override them.
 Tensors are read lazily (only the ones used, never whole shards) and placed straight into the
 model, with no random initialisation first.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Mapping
@@ -22,44 +21,58 @@ import numpy as np
 import tokenizers
 from flax import nnx
 
-from mtp_jax import layouts
-from mtp_jax.checkpoint import CheckpointReader
+from mtp_jax import families, layouts, validate
+from mtp_jax.checkpoint import CheckpointReader, read_json
 from mtp_jax.config import MtpConfig, TargetConfig
 from mtp_jax.mtp import MtpModel, canonical_name, param_names
 from mtp_jax.target import TargetModel, _hf_name
 
-# HF model_types whose target mtp_jax builds (their MTP modules and other families' load alone).
-_TARGET_TYPES = ("llama", "qwen2", "mimo", "glm4_moe", "ernie4_5", "deepseek_v3")
-
-
-def read_config(path) -> dict:
-  """config.json of a model directory, as a dict."""
+def read_model_config(path) -> dict:
+  """config.json of a model directory, as a dict, every field mtp_jax reads checked
+  (`layouts.check_hf_config`): errors are validate.InvalidValue / InvalidType naming the file and
+  the key; a missing directory or config.json is a FileNotFoundError."""
   file = os.path.join(os.fspath(path), "config.json")
   if not os.path.isfile(file):
     raise FileNotFoundError(f"{path} is not a model directory: no config.json")
-  with open(file) as f:
-    return json.load(f)
+  return dict(layouts.check_hf_config(read_json(file), file))
 
 
 def _dtype(config: Mapping, dtype) -> str:
-  # bf16 checkpoints stay bf16 unless asked otherwise; configs name the dtype "torch_dtype" (v4) or "dtype".
-  name = dtype or config.get("dtype") or config.get("torch_dtype") or "float32"
-  return jnp.dtype(name).name
+  """The compute dtype: `dtype`, else the checkpoint's ("dtype", or "torch_dtype" in transformers v4
+  configs), else float32; bf16 checkpoints stay bf16. FP8 or integer dtypes cannot compute and are
+  refused by name (FP8 checkpoints' configs say bfloat16 and carry a quantization_config)."""
+  name, source = next(((v, k) for k, v in (("dtype", dtype), ("config.json: dtype", config.get("dtype")),
+                                           ("config.json: torch_dtype", config.get("torch_dtype"))) if v),
+                      ("float32", "dtype"))
+  resolved = validate.float_dtype(source, name)
+  if resolved.itemsize < 2:
+    hint = (" (an FP8 checkpoint's config.json names bfloat16 and a quantization_config; pass dtype='bfloat16')"
+            if source != "dtype" else "")
+    raise validate.InvalidValue(source, f"{source} {resolved.name} cannot be the compute dtype: weights and "
+                                f"activations need float16, bfloat16 or float32{hint}")
+  return resolved.name
 
 
 def target_config_from_hf(config: Mapping, *, dtype=None) -> TargetConfig:
   """A TargetConfig from an HF config.json dict; families or settings mtp_jax cannot run raise."""
   model_type = config.get("model_type")
-  if model_type not in _TARGET_TYPES:
-    raise NotImplementedError(f"config.json: model_type {model_type!r} has no target mtp_jax can build "
-                              f"(supported: {', '.join(_TARGET_TYPES)})")
+  family = families.family_of(config)
+  if family is None or model_type not in family.target:
+    why = f": {family.title}'s {family.target_refusal}" if family else ""
+    supported = [t for f in families.FAMILIES.values() for t in f.target]
+    raise NotImplementedError(f"config.json: model_type {model_type!r} has no target mtp_jax can build{why} "
+                              f"(supported: {', '.join(supported)}); its MTP modules load alone with load_mtp")
+  if config.get("num_hidden_layers") is None:
+    raise validate.InvalidValue("config.json: num_hidden_layers",
+                                "config.json has no 'num_hidden_layers' (the target's layer count)")
   return TargetConfig(**layouts.block_kwargs_from_hf(config), vocab_size=config["vocab_size"],
                       num_layers=config["num_hidden_layers"], dtype=_dtype(config, dtype))
 
 
-def _build(ctor, canonical, tensors: Mapping, what: str):
+def _build(ctor, canonical, tensors: Mapping, what: str, allow_nonfinite: bool = False):
   """ctor() as an abstract model, its params filled from tensors (canonical name -> array), each
-  cast to the dtype the model gives that param (routers stay float32 in a bf16 model)."""
+  cast to the dtype the model gives that param (routers stay float32 in a bf16 model). A tensor
+  holding NaN or inf is refused (validate.InvalidValue naming it) unless allow_nonfinite."""
   abstract = nnx.eval_shape(ctor)
   graphdef, state = nnx.split(abstract)
   flat = []
@@ -70,6 +83,14 @@ def _build(ctor, canonical, tensors: Mapping, what: str):
     value = tensors[name]
     if tuple(value.shape) != tuple(var.shape):
       raise ValueError(f"{what}: tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(var.shape)}")
+    if np.dtype(value.dtype).itemsize < 2:
+      raise ValueError(f"{what}: tensor {name!r} is stored as {value.dtype} without scales; only float16 / bfloat16 "
+                       "/ float32 tensors load, or block-scaled FP8 ones with config.json's quantization_config")
+    finite = allow_nonfinite or np.isfinite(value)
+    if not np.all(finite):
+      bad = int(value.size - np.count_nonzero(finite))
+      raise validate.InvalidValue(name, f"{what}: tensor {name!r} holds {bad} NaN / inf value(s) of {value.size}; "
+                                  "pass allow_nonfinite=True to load it anyway")
     flat.append((path, var.replace(jnp.asarray(value, var.dtype))))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
@@ -86,7 +107,8 @@ def _target_tensors(reader: CheckpointReader, config: Mapping, cfg: TargetConfig
   if unused:
     raise NotImplementedError(f"{reader.path}: target tensor {unused[0]!r}"
                               f"{f' ({len(unused) - 1} more)' if len(unused) > 1 else ''} has no place in this "
-                              "config's blocks (quantisation scales are not supported)")
+                              "config's blocks (quantization scales need config.json's quantization_config, "
+                              "quant_method fp8)")
   out = {}
   for name in sorted(want):
     if stacked := re.fullmatch(r"(.*\.mlp\.experts)\.(\w+_proj)", name):
@@ -110,33 +132,37 @@ def _stack_experts(reader, names, prefix: str, proj: str, num_experts: int) -> n
   return np.stack([reader.get(p).T for p in parts])
 
 
-def load_target(path, *, dtype=None) -> TargetModel:
+def load_target(path, *, dtype=None, allow_nonfinite: bool = False) -> TargetModel:
   """The target model of a released directory (see `from_pretrained`)."""
-  config = read_config(path)
+  allow_nonfinite = validate.flag("allow_nonfinite", allow_nonfinite)
+  config = read_model_config(path)
   cfg = target_config_from_hf(config, dtype=dtype)
-  with CheckpointReader(path) as reader:
+  with CheckpointReader(path, fp8=layouts.fp8_from_hf(config, cfg.dtype)) as reader:
     tensors = _target_tensors(reader, config, cfg)
-    return _build(lambda: TargetModel(cfg, rngs=nnx.Rngs(0)), _hf_name, tensors, f"{path}")
+    return _build(lambda: TargetModel(cfg, rngs=nnx.Rngs(0)), _hf_name, tensors, f"{path}", allow_nonfinite)
 
 
-def load_mtp(path, *, dtype=None, max_depth: int | None = None, **conventions) -> MtpModel:
+def load_mtp(path, *, dtype=None, max_depth: int | None = None, allow_nonfinite: bool = False,
+             **conventions) -> MtpModel:
   """The MTP modules of a released directory; conventions override the family's (MtpConfig fields)."""
-  config = read_config(path)
+  allow_nonfinite = validate.flag("allow_nonfinite", allow_nonfinite)
+  config = read_model_config(path)
   bad = sorted(set(conventions) - set(layouts.CONVENTION_FIELDS))
   if bad:
     raise TypeError(f"unknown convention(s) {bad}; expected some of {layouts.CONVENTION_FIELDS}")
-  with CheckpointReader(path) as reader:
+  with CheckpointReader(path, fp8=layouts.fp8_from_hf(config, _dtype(config, dtype))) as reader:
     layout = layouts.detect_layout(reader.keys())
     base = layouts.config_from_hf(config, layout=layout)
     cfg = MtpConfig(**{**base.__dict__, **conventions, "max_depth": max_depth,
                        "dtype": _dtype(config, dtype)})
-    first_layer = config.get("num_hidden_layers") if layout == "deepseek" else None
+    key = families.LAYOUTS[layout].first_layer_key
+    first_layer = config.get(key) if key else None
     tensors = layouts.to_canonical(reader, layout, cfg, first_layer=first_layer,
                                    tied=bool(config.get("tie_word_embeddings", False)))
-  return _build(lambda: MtpModel(cfg, rngs=nnx.Rngs(0)), canonical_name, tensors, f"{path}")
+  return _build(lambda: MtpModel(cfg, rngs=nnx.Rngs(0)), canonical_name, tensors, f"{path}", allow_nonfinite)
 
 
-def from_pretrained(path, *, dtype=None, max_depth: int | None = None,
+def from_pretrained(path, *, dtype=None, max_depth: int | None = None, allow_nonfinite: bool = False,
                     **conventions) -> tuple[TargetModel, MtpModel, dict]:
   """(target, proposer, config.json dict) from a released model directory.
 
@@ -144,9 +170,12 @@ def from_pretrained(path, *, dtype=None, max_depth: int | None = None,
   max_depth: drafts a propose may make (default the module count; depths past it reuse modules).
   conventions: MtpConfig chain fields (pass_normed_hidden, head_norm, mask_first_embedding,
     depth_reuse) overriding the family's.
+  allow_nonfinite: load tensors holding NaN or inf (refused by default, naming the tensor).
+  Bad directories raise validate.InvalidValue / InvalidType naming the file and the key or tensor.
   """
-  config = read_config(path)
-  return load_target(path, dtype=dtype), load_mtp(path, dtype=dtype, max_depth=max_depth, **conventions), config
+  config = read_model_config(path)
+  return (load_target(path, dtype=dtype, allow_nonfinite=allow_nonfinite),
+          load_mtp(path, dtype=dtype, max_depth=max_depth, allow_nonfinite=allow_nonfinite, **conventions), config)
 
 
 def load_tokenizer(path):
@@ -154,4 +183,7 @@ def load_tokenizer(path):
   file = os.path.join(os.fspath(path), "tokenizer.json")
   if not os.path.isfile(file):
     raise FileNotFoundError(f"{path} has no tokenizer.json")
-  return tokenizers.Tokenizer.from_file(file)
+  try:
+    return tokenizers.Tokenizer.from_file(file)
+  except Exception as e:  # the tokenizers package raises a bare Exception for an unreadable file
+    raise validate.InvalidValue(file, f"{file} is not a tokenizers tokenizer.json: {e}") from e

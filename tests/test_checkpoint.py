@@ -5,8 +5,10 @@ import ml_dtypes
 import numpy as np
 import pytest
 import safetensors
+import safetensors.torch
+import torch
 
-from mtp_jax.checkpoint import CheckpointReader, load_tensors, save_tensors
+from mtp_jax.checkpoint import CheckpointReader, Fp8Blocks, dequantize_fp8_blocks, load_tensors, save_tensors
 
 
 def _tensors():
@@ -110,7 +112,10 @@ def test_missing_files_and_tensors_are_named(tmp_path):
   with pytest.raises(KeyError, match=r"'ghost'.*s1\.safetensors"):
     CheckpointReader(tmp_path / "ck").get("ghost")
   index.write_text("{not json")
-  with pytest.raises(ValueError, match="weight_map"):
+  with pytest.raises(ValueError, match=r"index\.json is not valid JSON"):
+    CheckpointReader(tmp_path / "ck")
+  index.write_text(json.dumps({"weight_map": ["a.weight"]}))
+  with pytest.raises(ValueError, match="weight_map must be an object"):
     CheckpointReader(tmp_path / "ck")
 
 
@@ -132,3 +137,26 @@ def test_corrupted_file_is_named(tmp_path, damage):
     CheckpointReader(path)
   with pytest.raises(ValueError, match=r"bad\.safetensors"):
     load_tensors(path)
+
+
+def test_fp8_blocks_dequantize_whole_and_sliced(tmp_path):
+  """Each element times its block's scale; partial edge blocks; a slice with its offset equals the
+  same slice of the whole; the reader hides the scales and dequantizes to the asked dtype."""
+  rng = np.random.default_rng(0)
+  w = rng.uniform(-2, 2, (20, 30)).astype(ml_dtypes.float8_e4m3fn)
+  scale = rng.uniform(0.5, 4, (3, 3)).astype(np.float32)  # blocks of 8 x 12: rows 8+8+4, cols 12+12+6
+  want = w.astype(np.float32) * np.repeat(np.repeat(scale, 8, 0)[:20], 12, 1)[:, :30]
+  np.testing.assert_array_equal(dequantize_fp8_blocks(w, scale, (8, 12)), want)
+  np.testing.assert_array_equal(dequantize_fp8_blocks(w[9:17, 13:29], scale[1:3, 1:3], (8, 12), offset=(9, 13)),
+                                want[9:17, 13:29])
+  safetensors.torch.save_file({"p.weight": torch.from_numpy(w.view(np.uint8)).view(torch.float8_e4m3fn),
+                               "p.weight_scale_inv": torch.from_numpy(scale)}, tmp_path / "q.safetensors")
+  plain = CheckpointReader(tmp_path / "q.safetensors")
+  assert sorted(plain.keys()) == ["p.weight", "p.weight_scale_inv"] and plain.get("p.weight").dtype == w.dtype
+  reader = CheckpointReader(tmp_path / "q.safetensors", fp8=Fp8Blocks((8, 12), "bfloat16"))
+  assert reader.keys() == ["p.weight"] and "p.weight_scale_inv" not in reader
+  got = reader.get("p.weight")
+  assert got.dtype == ml_dtypes.bfloat16
+  np.testing.assert_array_equal(got, want.astype(ml_dtypes.bfloat16))
+  with pytest.raises(ValueError, match=r"scale 'p.weight_scale_inv' has shape \(3, 3\), expected \(2, 3\)"):
+    CheckpointReader(tmp_path / "q.safetensors", fp8=Fp8Blocks((16, 12))).get("p.weight")

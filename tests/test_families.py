@@ -15,15 +15,18 @@ Depths past the released module count reuse module 0 (vLLM: spec_step_idx % num_
 """
 
 import json
+import pathlib
+import re
 
 import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import (Ernie4_5Config, Ernie4_5ForCausalLM, LongcatFlashConfig, Qwen2Config, Qwen2ForCausalLM,
-                          Qwen3NextConfig)
+from transformers import (Ernie4_5Config, Ernie4_5ForCausalLM, Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM,
+                          LongcatFlashConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3_5Config, Qwen3NextConfig)
 from transformers.models.longcat_flash import modeling_longcat_flash as longcat
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
+from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
 from transformers.models.ernie4_5.modeling_ernie4_5 import Ernie4_5DecoderLayer, Ernie4_5RMSNorm
 from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RMSNorm
 
@@ -161,6 +164,42 @@ def test_mtp_forward_equals_engine_reference(tmp_path, family):
   assert np.asarray(drafts)[0].tolist() == ref_drafts
 
 
+
+def test_ernie4_5_moe_mtp_is_a_dense_block_equal_to_engine_reference(tmp_path):
+  """ERNIE-4.5 MoE (model_type ernie4_5_moe): its MTP block is dense whatever the target's experts.
+  SGLang srt/models/ernie4.py builds Ernie4DecoderLayer(is_mtp=True) with a dense Ernie4MLP of
+  intermediate_size, wired by srt/models/ernie4_eagle.py (Ernie4ModelMTP.forward); vLLM
+  model_executor/models/ernie_mtp.py builds a dense LlamaDecoderLayer. The hidden comes from
+  transformers' Ernie4_5_MoeForCausalLM (mtp_jax builds no ERNIE MoE target: refused by name)."""
+  config = Ernie4_5_MoeConfig(**COMMON, head_dim=8, tie_word_embeddings=True, use_bias=False,
+                              num_nextn_predict_layers=1, moe_num_experts=4, moe_k=2, moe_intermediate_size=16,
+                              moe_layer_start_index=1, moe_num_shared_experts=1)
+  config._attn_implementation = "eager"
+  main = Ernie4_5_MoeForCausalLM(config).eval()
+  _init_all(main, 0)
+  with torch.no_grad():  # the router's correction bias is a buffer transformers leaves as allocated
+    for name, b in main.named_buffers():
+      if name.endswith("e_score_correction_bias"):
+        b.zero_()
+  module = RefModule(config, "ernie").eval()
+  _init_all(module, 1)
+  save_tensors(tmp_path / "model.safetensors", module.released(0) | {
+      "model.embed_tokens.weight": main.model.embed_tokens.weight.detach().numpy()})
+  (tmp_path / "config.json").write_text(config.to_json_string())
+  with pytest.raises(NotImplementedError, match="'ernie4_5_moe' has no target.*MoE target"):
+    mtp_jax.load_target(tmp_path)
+  proposer = load_mtp(tmp_path, dtype="float32", max_depth=DEPTHS)
+  assert proposer.cfg.moe is None and proposer.cfg.intermediate_size == 48
+  assert {k: getattr(proposer.cfg, k) for k in layouts.conventions("ernie4_5")} == layouts.conventions("ernie4_5")
+  n = 10
+  toks = torch.tensor(np.random.default_rng(1).integers(0, V, (1, n + DEPTHS)))
+  with torch.no_grad():
+    hidden = main(toks[:, :n], output_hidden_states=True).hidden_states[-1].numpy()
+  want = reference_chain(main, [module], toks, n, DEPTHS)
+  got = mtp_jax.forward_chain(proposer, jnp.asarray(hidden), jnp.asarray(toks[:, 1:].numpy(), jnp.int32))
+  np.testing.assert_allclose(np.asarray(got[:, 0]), want, rtol=1e-4, atol=1e-4)
+
+
 def _canonical(cfg, seed=0):
   rng = np.random.default_rng(seed)
   return {n: rng.standard_normal(s).astype(np.float32) for n, s in layouts.canonical_shapes(cfg).items()}
@@ -281,6 +320,60 @@ def test_qwen3_next_mtp_equals_engine_reference(tmp_path):
   _check_chain_and_drafts(proposer, cfg, ref, hidden, toks, embed, lm_head, QN_DEPTHS)
 
 
+
+class Qwen3_5RefMtp(Qwen3NextRefMtp):
+  """Qwen3.5's MTP as vLLM model_executor/models/qwen3_5_mtp.py (Qwen3_5MultiTokenPredictor.forward)
+  runs it: the wiring of Qwen3NextRefMtp (fc over concat(pre_fc_norm_embedding(e), pre_fc_norm_hidden(h)),
+  one full-attention Qwen3_5DecoderLayer, layers[spec_step_idx % num_mtp_layers], the shared norm
+  handed on), here with transformers' Qwen3_5Attention, Qwen3_5MLP (the dense model), Qwen3_5RMSNorm
+  (1 + w) and Qwen3_5TextRotaryEmbedding (mrope sections over equal text positions)."""
+
+  def __init__(self, config):
+    torch.nn.Module.__init__(self)
+    norm = lambda: qwen3_5.Qwen3_5RMSNorm(D, eps=config.rms_norm_eps)
+    self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm = norm(), norm(), norm()
+    self.fc = torch.nn.Linear(2 * D, D, bias=False)
+    self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+    self.self_attn = qwen3_5.Qwen3_5Attention(config, 1)
+    self.mlp = qwen3_5.Qwen3_5MLP(config, config.intermediate_size)
+    self.rotary = qwen3_5.Qwen3_5TextRotaryEmbedding(config)
+
+
+def test_qwen3_5_text_config_mtp_equals_engine_reference(tmp_path):
+  """A Qwen3.5 directory as released: fields under text_config, the embedding at
+  model.language_model.embed_tokens, MTP at mtp.*; the caller hands in the target's hidden (the
+  hybrid linear-attention target is refused by name)."""
+  text = dict(vocab_size=V, hidden_size=D, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+              intermediate_size=48, num_hidden_layers=2, mtp_num_hidden_layers=1, rms_norm_eps=1e-6,
+              max_position_embeddings=256, rope_parameters={
+                  "rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.25,
+                  "mrope_section": [1, 1, 0], "mrope_interleaved": True})
+  config = Qwen3_5Config(text_config=text, tie_word_embeddings=False)
+  text_config = config.text_config
+  text_config._attn_implementation = "eager"
+  ref = Qwen3_5RefMtp(text_config).eval()
+  _init_all(ref, 4, norm_centre=0.0)
+  rng = np.random.default_rng(5)
+  embed = rng.standard_normal((V, D)).astype(np.float32)
+  lm_head = (rng.standard_normal((V, D)) / D ** 0.5).astype(np.float32)
+  save_tensors(tmp_path / "model.safetensors", ref.released() | {
+      "model.language_model.embed_tokens.weight": embed, "lm_head.weight": lm_head})
+  hf = json.loads(config.to_json_string())
+  assert "vocab_size" not in hf and hf["text_config"]["mtp_num_hidden_layers"] == 1
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+
+  proposer = load_mtp(tmp_path, dtype="float32", max_depth=QN_DEPTHS)
+  cfg = proposer.cfg
+  assert (cfg.qk_norm, cfg.attention_gate, cfg.norm_unit_offset, cfg.partial_rotary_factor) == (True, True, True, 0.25)
+  assert cfg.moe is None and cfg.num_modules == 1
+  with pytest.raises(NotImplementedError, match="'qwen3_5' has no target.*hybrid linear-attention"):
+    mtp_jax.load_target(tmp_path)
+  n = 9
+  toks = rng.integers(0, V, (1, n + QN_DEPTHS))
+  hidden = rng.standard_normal((1, n, D)).astype(np.float32)
+  _check_chain_and_drafts(proposer, cfg, ref, hidden, toks, embed, lm_head, QN_DEPTHS)
+
+
 LC_DEPTHS = 2
 
 
@@ -385,3 +478,37 @@ def _check_chain_and_drafts(proposer, cfg, ref, hidden, toks, embed, lm_head, de
   drafts, _ = mtp_jax.propose(proposer, mtp_jax.init_state(cfg, 1, 32), hidden, toks[:, 1:n + 1],
                               np.array([n], np.int32), num_drafts=depths)
   assert np.asarray(drafts)[0].tolist() == ref_drafts
+
+
+def test_registry_records_are_consistent_and_documented():
+  """Every family's layout is registered, each layout's signature tensor picks that layout alone,
+  model types belong to one family, and docs/checkpoints.md holds the current table."""
+  from mtp_jax import families
+  assert list(layouts.LAYOUTS) == list(families.LAYOUTS) and layouts.LAYOUTS[0] == "canonical"
+  seen = {}
+  for family in families.FAMILIES.values():
+    assert family.layout is None or family.layout in families.LAYOUTS, family.name
+    assert set(family.target) <= set(family.model_types), family.name
+    assert family.target == family.model_types or family.target_refusal, family.name
+    for t in family.model_types:
+      assert seen.setdefault(t, family.name) == family.name, t
+      assert layouts.family_of({"model_type": t}) == family.name
+  examples = {name: re.sub(r"[\\()]", "", layout.signature.replace(r"\d+", "3"))
+              for name, layout in families.LAYOUTS.items()}
+  for name, tensor in examples.items():
+    assert layouts.detect_layout([tensor, "model.norm.weight"]) == name
+  with pytest.raises(ValueError, match=r"matches \['deepseek', 'mimo'\]"):
+    layouts.detect_layout([examples["deepseek"], examples["mimo"]])
+  with pytest.raises(ValueError, match="unknown family 'gpt2'"):
+    families.get("gpt2")
+  doc = (pathlib.Path(__file__).parent.parent / "docs" / "checkpoints.md").read_text()
+  assert families.table() in doc
+
+
+def test_target_refusals_name_the_family_and_reason():
+  from mtp_jax import pretrained
+  for model_type, why in [("qwen3_5", "hybrid linear-attention"), ("qwen3_next", "hybrid linear-attention"),
+                          ("longcat_flash", "LongCat-Flash's target"), ("ernie4_5_moe", "MoE target"),
+                          ("gpt2", "")]:
+    with pytest.raises(NotImplementedError, match=f"model_type '{model_type}' has no target.*{why}"):
+      pretrained.target_config_from_hf({"model_type": model_type})

@@ -4,7 +4,7 @@ import json
 import numpy as np
 import pytest
 
-from mtp_jax import layouts
+from mtp_jax import families, layouts
 from mtp_jax.checkpoint import CheckpointReader, save_tensors
 from mtp_jax.config import MlaConfig, MtpConfig
 
@@ -19,11 +19,17 @@ QWEN_NAMES = {"enorm.weight": "mtp.pre_fc_norm_embedding.weight",
               "shared_head.norm.weight": "mtp.norm.weight"}
 
 
+def _blocks(layout):
+  """The family's block options that have no config.json key (Qwen3-Next's gated attention)."""
+  family = families.family_of({}, layout)
+  return {k: getattr(family.blocks, k) for k in ("qk_norm", "attention_gate", "norm_unit_offset")} if family else {}
+
+
 def tiny_cfg(bias=False, layout="deepseek"):
   return MtpConfig(hidden_size=D, num_heads=H, num_kv_heads=HKV, head_dim=DH, intermediate_size=F,
                    rms_norm_eps=1e-5, rope_theta=5000.0, attention_bias=bias, vocab_size=V,
                    num_modules=K, **layouts.conventions(layouts.family_of({}, layout)),
-                   **layouts.FAMILY_BLOCKS.get(layouts.family_of({}, layout), {}))
+                   **_blocks(layout))
 
 
 def canonical_tensors(cfg, seed=0, shared_across_modules=False):

@@ -11,6 +11,7 @@ reference (MtpModel.from_pretrained finds MTP weights only at the full-size mode
 """
 
 import json
+import pathlib
 
 import tokenizers
 
@@ -22,7 +23,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig,
 from transformers.modeling_layers import MtpModel
 
 import mtp_jax
-from mtp_jax import cli, pretrained
+from mtp_jax import cli, pretrained, validate
 from mtp_jax.checkpoint import save_tensors
 
 N_LAYERS, K, V = 2, 2, 64
@@ -242,3 +243,262 @@ def test_cli_generate_from_a_model_directory(released, capsys):
   captured = capsys.readouterr()
   assert captured.out == prompt + want + "\n"
   assert "target calls" in captured.err
+
+
+# --- Block-scaled FP8 directories, quantized here as DeepSeek-V3 / GLM-4.5 releases are ---------------
+
+# Rows x cols per scale; 16 x 12 leaves partial blocks in both directions (hidden 32, 24-wide inputs),
+# as DeepSeek-V3's 576-row kv_a_proj_with_mqa does with its released 128 x 128 blocks.
+FP8_BLOCK = (16, 12)
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+
+
+def _quantizable(name, shape):
+  # The released recipe quantizes the linear layers of the decoder (MTP layers included), and
+  # leaves embeddings, heads, norms and the routers in bf16.
+  return name.startswith("model.layers.") and name.endswith("_proj.weight") and len(shape) == 2
+
+
+def _blocks(w, block):
+  """w [R, C] zero-padded to whole blocks, as [R // br, br, C // bc, bc]."""
+  (br, bc), (r, c) = block, w.shape
+  padded = torch.zeros(-(-r // br) * br, -(-c // bc) * bc)
+  padded[:r, :c] = w
+  return padded.view(padded.shape[0] // br, br, padded.shape[1] // bc, bc)
+
+
+def fp8_quantize(w, block=FP8_BLOCK):
+  """(float8_e4m3fn[R, C], weight_scale_inv float32[ceil(R / br), ceil(C / bc)]): each block scaled so its
+  largest magnitude is the format's max (448), as transformers' Fp8Quantize and DeepSeek's release do."""
+  blocks = _blocks(w.float(), block)
+  amax = blocks.abs().amax(dim=(1, 3))
+  scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+  q = torch.clamp(blocks / scale_inv[:, None, :, None], -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+  r, c = w.shape
+  return q.view(q.shape[0] * q.shape[1], -1)[:r, :c].contiguous(), scale_inv.float()
+
+
+def fp8_dequantize(q, scale_inv, block=FP8_BLOCK):
+  """The reference: every element times its block's scale (transformers' _dequantize_fp8_weight)."""
+  blocks = _blocks(q.float(), block) * scale_inv[:, None, :, None]
+  r, c = q.shape
+  return blocks.view(blocks.shape[0] * blocks.shape[1], -1)[:r, :c]
+
+
+def _fake_quantize(module):
+  """Every linear weight of a transformers module replaced by its FP8 round trip, so the torch model holds
+  exactly what the FP8 directory dequantizes to (fused experts are quantized per expert and per proj)."""
+  with torch.no_grad():
+    for name, p in module.named_parameters():
+      if name.endswith("experts.gate_up_proj"):
+        f = p.shape[1] // 2
+        for e in range(p.shape[0]):
+          for half in (slice(0, f), slice(f, 2 * f)):
+            p[e, half].copy_(fp8_dequantize(*fp8_quantize(p[e, half])))
+      elif name.endswith("experts.down_proj"):
+        for e in range(p.shape[0]):
+          p[e].copy_(fp8_dequantize(*fp8_quantize(p[e])))
+      elif name.endswith("_proj.weight") and "embed" not in name and p.ndim == 2:
+        p.copy_(fp8_dequantize(*fp8_quantize(p)))
+
+
+def _quantize_directory(path):
+  """Rewrites the shards of a released directory with its linear weights as FP8 plus weight_scale_inv,
+  and config.json's quantization_config as DeepSeek-V3's; returns how many weights were quantized."""
+  import safetensors.torch
+  index_file = path / "model.safetensors.index.json"
+  index = json.loads(index_file.read_text())
+  quantized = 0
+  for shard in sorted(set(index["weight_map"].values())):
+    tensors = safetensors.torch.load_file(path / shard)
+    out = {}
+    for name, t in tensors.items():
+      if _quantizable(name, t.shape):
+        out[name], out[name + "_scale_inv"] = fp8_quantize(t)
+        index["weight_map"][name + "_scale_inv"] = shard
+        quantized += 1
+      else:
+        out[name] = t
+    safetensors.torch.save_file(out, path / shard)
+  index_file.write_text(json.dumps(index))
+  config = json.loads((path / "config.json").read_text())
+  config["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                   "weight_block_size": list(FP8_BLOCK)}
+  config["torch_dtype"] = "bfloat16"
+  (path / "config.json").write_text(json.dumps(config))
+  return quantized
+
+
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_fp8_block_scaled_directory_equals_transformers_on_dequantized_weights(tmp_path, family):
+  """An FP8 directory (float8_e4m3fn linear weights, a float32 scale per 16 x 12 block, partial blocks at
+  the edges, MTP layers included) loads dequantized: target logits equal transformers run on the
+  dequantized weights to 1e-4 (float32; what differs is summation order), the drafts equal MtpModel's,
+  and greedy speculative decoding equals plain greedy decoding."""
+  main_ref, mtp_ref, path = TINY[family](tmp_path)
+  _fake_quantize(main_ref)
+  _fake_quantize(mtp_ref.layers)
+  # Rewritten from the fake-quantized model, the directory quantizes back to the same FP8 values.
+  _write_released(main_ref, mtp_ref, main_ref.config, path)
+  assert _quantize_directory(path) > 20
+  target, proposer, _ = mtp_jax.from_pretrained(path, dtype="float32", max_depth=2)
+  toks = np.random.default_rng(0).integers(0, V, (2, 9))
+  with torch.no_grad():
+    out = main_ref(torch.tensor(toks), output_hidden_states=True)
+  rows = jnp.broadcast_to(jnp.arange(9), (2, 9))
+  logits, hidden, _ = target(jnp.asarray(toks, jnp.int32), rows, jnp.ones((2, 9), bool), None)
+  np.testing.assert_allclose(np.asarray(logits), out.logits.numpy(), rtol=1e-4, atol=1e-4)
+  h0 = out.hidden_states[-1][:1, :8]
+  with torch.no_grad():
+    ids, _, _ = mtp_ref(input_ids=torch.tensor(toks[:1, 1:]), last_hidden_states=h0, attention_mask=None,
+                        position_ids=torch.arange(1, 9)[None], mtp_cache=None)
+  drafts, _ = mtp_jax.propose(proposer, mtp_jax.init_state(proposer.cfg, 1, 32), h0.numpy(), toks[:1, 1:],
+                              np.array([8], np.int32), num_drafts=K)
+  np.testing.assert_array_equal(np.asarray(drafts), ids.numpy())
+  prompts = [list(toks[0, :5]), list(toks[1])]
+  plain = mtp_jax.generate(target, None, prompts, 8)
+  assert mtp_jax.generate(target, proposer, prompts, 8, num_drafts=2).tokens == plain.tokens
+
+
+# --- Model directories that are wrong: one named error each, one CLI line each -------------------------
+
+@pytest.fixture(scope="module")
+def glm_dir(tmp_path_factory):
+  """A tiny GLM-4.5 directory with a tokenizer.json, written once; tests damage copies of it."""
+  main, _, path = tiny_glm(tmp_path_factory.mktemp("glm_dir"))
+  tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({f"w{i}": i for i in range(V)}, unk_token="w0"))
+  tok.save(str(path / "tokenizer.json"))
+  return main, path
+
+
+def _copy(path, tmp_path):
+  import shutil
+  return pathlib.Path(shutil.copytree(path, tmp_path / "model"))
+
+
+def _edit_json(file, edit):
+  value = json.loads(file.read_text())
+  file.write_text(json.dumps(edit(value)))
+
+
+DAMAGE = {
+    # name: (damage(dir), error type, .argument ends with, message pattern)
+    "invalid JSON": (lambda d: (d / "config.json").write_text("{oops"), validate.InvalidValue, "config.json",
+                     "is not valid JSON"),
+    "a JSON list": (lambda d: (d / "config.json").write_text("[1, 2]"), validate.InvalidType, "config.json",
+                    "must hold a JSON object.*list"),
+    "no vocab_size": (lambda d: _edit_json(d / "config.json", lambda c: c.pop("vocab_size") and c),
+                      validate.InvalidValue, "config.json: vocab_size", "has no 'vocab_size'"),
+    "no num_hidden_layers": (lambda d: _edit_json(d / "config.json", lambda c: c.pop("num_hidden_layers") and c),
+                             validate.InvalidValue, "config.json: num_hidden_layers", "has no 'num_hidden_layers'"),
+    "no hidden_size": (lambda d: _edit_json(d / "config.json", lambda c: c.pop("hidden_size") and c),
+                       validate.InvalidValue, "config.json: hidden_size", "has no 'hidden_size'"),
+    "string head_dim": (lambda d: _edit_json(d / "config.json", lambda c: {**c, "head_dim": "8"}),
+                        validate.InvalidType, "config.json: head_dim", "head_dim must be an int"),
+    "negative rms_norm_eps": (lambda d: _edit_json(d / "config.json", lambda c: {**c, "rms_norm_eps": -1}),
+                              validate.InvalidValue, "config.json: rms_norm_eps", "rms_norm_eps must be a finite"),
+    "index is a list": (lambda d: (d / "model.safetensors.index.json").write_text("[]"), validate.InvalidType,
+                        "model.safetensors.index.json", "must hold a JSON object"),
+    "non-string weight_map entry": (
+        lambda d: _edit_json(d / "model.safetensors.index.json",
+                             lambda i: {"weight_map": {**i["weight_map"], "lm_head.weight": 3}}),
+        validate.InvalidType, "weight_map['lm_head.weight']", "must name a shard file"),
+    "fp8 compute dtype": (lambda d: _edit_json(d / "config.json", lambda c: {**c, "torch_dtype": "float8_e4m3fn"}),
+                          validate.InvalidValue, "config.json: torch_dtype", "cannot be the compute dtype.*bfloat16"),
+    "integer compute dtype": (lambda d: _edit_json(d / "config.json", lambda c: {**c, "torch_dtype": "int8"}),
+                              validate.InvalidValue, "config.json: torch_dtype", "must be a floating dtype"),
+    "corrupt tokenizer.json": (lambda d: (d / "tokenizer.json").write_text('{"model": 1'), validate.InvalidValue,
+                               "tokenizer.json", "is not a tokenizers tokenizer.json"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DAMAGE))
+def test_bad_model_directories_are_named_errors_and_one_cli_line(glm_dir, tmp_path, case, capsys):
+  damage, error, argument, message = DAMAGE[case]
+  path = _copy(glm_dir[1], tmp_path)
+  damage(path)
+  load = pretrained.load_tokenizer if "tokenizer" in case else pretrained.from_pretrained
+  with pytest.raises(error, match=message) as info:
+    load(path)
+  assert info.value.argument.endswith(argument)
+  assert cli.main(["generate", "--model", str(path), "--prompt", "w1 w2", "--max-new-tokens", "1"]) == 2
+  err = capsys.readouterr().err
+  assert err.startswith("mtp-jax: error: ") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_dangling_shard_and_explicit_bad_dtypes_are_named(glm_dir, tmp_path):
+  path = _copy(glm_dir[1], tmp_path)
+  (path / "model-00002-of-00002.safetensors").unlink()
+  with pytest.raises(FileNotFoundError, match=r"puts tensor '.*' in a missing shard file .*model-00002"):
+    pretrained.from_pretrained(path)
+  for dtype, pattern in [("float8_e4m3fn", "cannot be the compute dtype"), ("int32", "floating dtype")]:
+    with pytest.raises(validate.InvalidValue, match=pattern) as info:
+      pretrained.load_mtp(glm_dir[1], dtype=dtype)
+    assert info.value.argument == "dtype"
+
+
+def test_nonfinite_weights_are_refused_naming_the_tensor(glm_dir, tmp_path):
+  import safetensors.torch
+  path = _copy(glm_dir[1], tmp_path)
+  index = json.loads((path / "model.safetensors.index.json").read_text())
+  name = "model.layers.1.self_attn.o_proj.weight"
+  shard = path / index["weight_map"][name]
+  tensors = safetensors.torch.load_file(shard)
+  tensors[name][0, 3] = float("nan")
+  tensors[name][1, 2] = float("inf")
+  safetensors.torch.save_file(tensors, shard)
+  with pytest.raises(validate.InvalidValue, match=rf"'{name}' holds 2 NaN / inf value\(s\).*allow_nonfinite=True"):
+    pretrained.load_target(path)
+  target = pretrained.load_target(path, allow_nonfinite=True)
+  assert np.isnan(np.asarray(target.layers[1].self_attn.o_proj.weight[...])).any()
+  with pytest.raises(validate.InvalidType, match="allow_nonfinite must be a bool"):
+    pretrained.from_pretrained(path, allow_nonfinite="yes")
+
+
+def test_tied_embeddings_with_a_stored_mtp_head(glm_dir, tmp_path):
+  """tie_word_embeddings with per-module shared_head.head stored (DeepSeek layout): heads equal to the
+  embedding load (the head is the embedding); a different one is refused saying why."""
+  import safetensors.torch
+  main, src = glm_dir
+  path = _copy(src, tmp_path)
+  _edit_json(path / "config.json", lambda c: {**c, "tie_word_embeddings": True})
+  with pytest.raises(ValueError, match=r"tie_word_embeddings.*stored head 'model.layers.2.shared_head.head.weight' "
+                                       r"differs"):
+    pretrained.load_mtp(path)
+  index = json.loads((path / "model.safetensors.index.json").read_text())
+  embed = main.model.embed_tokens.weight.detach().clone()
+  for i in range(K):
+    name = f"model.layers.{N_LAYERS + i}.shared_head.head.weight"
+    shard = path / index["weight_map"][name]
+    tensors = safetensors.torch.load_file(shard)
+    tensors[name] = embed
+    safetensors.torch.save_file(tensors, shard)
+  proposer = pretrained.load_mtp(path)
+  np.testing.assert_array_equal(np.asarray(proposer.lm_head.weight[...]), embed.numpy())
+
+
+def test_loaders_are_public_at_the_top_level():
+  assert (mtp_jax.from_pretrained, mtp_jax.load_target, mtp_jax.load_mtp, mtp_jax.load_tokenizer) == (
+      pretrained.from_pretrained, pretrained.load_target, pretrained.load_mtp, pretrained.load_tokenizer)
+  assert {"from_pretrained", "load_target", "load_mtp", "load_tokenizer", "families"} <= set(mtp_jax.__all__)
+
+
+def test_fp8_tensors_without_a_quantization_config_are_named(glm_dir, tmp_path):
+  """FP8 weights with scales but no quantization_config: the scales are named as needing one; an FP8
+  weight without a scale is refused rather than cast."""
+  import safetensors.torch
+  path = _copy(glm_dir[1], tmp_path)
+  _quantize_directory(path)
+  _edit_json(path / "config.json", lambda c: {k: v for k, v in c.items() if k != "quantization_config"})
+  with pytest.raises(NotImplementedError, match=r"weight_scale_inv.*quantization_config, quant_method fp8"):
+    pretrained.load_target(path)
+  index = json.loads((path / "model.safetensors.index.json").read_text())
+  scales = [n for n in index["weight_map"] if n.endswith("_scale_inv")]
+  for shard in sorted(set(index["weight_map"].values())):
+    tensors = safetensors.torch.load_file(path / shard)
+    safetensors.torch.save_file({n: t for n, t in tensors.items() if n not in scales}, path / shard)
+  index["weight_map"] = {n: f for n, f in index["weight_map"].items() if n not in scales}
+  (path / "model.safetensors.index.json").write_text(json.dumps(index))
+  with pytest.raises(ValueError, match=r"tensor 'model\.layers\.\d+\..*_proj\.weight' is stored as float8_e4m3fn "
+                                       "without scales"):
+    pretrained.load_target(path)
