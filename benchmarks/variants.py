@@ -394,7 +394,7 @@ class Torch:
       return self._call(st)
 
   def _call(self, st):
-    torch, cfg, kd = self.torch, self.cfg, self.step.k
+    torch, kd = self.torch, self.step.k
     hiddens, tokens, num_new = self.inputs
     b, t, _ = hiddens.shape
     num_pos = st["num_pos"]

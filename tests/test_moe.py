@@ -328,7 +328,10 @@ def _sharded_runs() -> dict:
 
 
 def test_experts_shard_over_model_axis():
-  import os, subprocess, sys, json
+  import os
+  import subprocess
+  import sys
+  import json
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"  # keeps conftest's
   env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu",
@@ -346,7 +349,8 @@ def test_experts_shard_over_model_axis():
 
 @pytest.mark.slow
 def test_bench_moe_quick(capsys):
-  import pathlib, sys
+  import pathlib
+  import sys
   sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
   import bench_moe
   bench_moe.main(["--quick"])  # asserts the three paths agree before timing them

@@ -1,6 +1,5 @@
 """Paged KV caches: the same drafts and tokens as contiguous caches, the allocator, errors."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

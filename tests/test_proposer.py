@@ -51,7 +51,7 @@ def assert_drafts_match(got, want, gaps):
     if g != w:
       assert gap < NEAR_TIE, f"draft {got} != recompute {want} (logit gap {gap})"
       return  # later drafts follow the tied one, so they may differ too
-  
+
 
 class Sim:
   """Drives propose / after_verify over a ragged batch and keeps each sequence's verified history."""

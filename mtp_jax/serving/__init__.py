@@ -16,5 +16,5 @@ from mtp_jax.serving.engine import Engine, QueueFull, Request
 from mtp_jax.serving.metrics import prometheus_text
 
 __all__ = ["Paging", "Relaxed", "Sampling", "StepSettings", "DecodeStep", "Drafter", "LoopState", "Verdict",
-           "jit_prefill", "jit_run", "jit_step", "pick_verifier", "GenerateOutput", "generate", "Engine", "QueueFull", "Request",
-           "prometheus_text"]
+           "jit_prefill", "jit_run", "jit_step", "pick_verifier", "generate_lib", "GenerateOutput", "generate",
+           "Engine", "QueueFull", "Request", "prometheus_text"]

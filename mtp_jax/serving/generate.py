@@ -12,7 +12,6 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax import grammar as grammar_lib
@@ -38,7 +37,8 @@ class GenerateOutput:
   stats: dict
 
 
-def padded_prompts(prompts: Sequence[np.ndarray], batch_size: int, slots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
+def padded_prompts(prompts: Sequence[np.ndarray], batch_size: int,
+                   slots: Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
   """(int32[B, T], int32[B]): prompt i left-aligned in row slots[i], T the longest padded to a
   multiple of PROMPT_BUCKET (one compile per bucket); other rows empty."""
   t = -(-max(len(p) for p in prompts) // PROMPT_BUCKET) * PROMPT_BUCKET
@@ -111,7 +111,8 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
   prompts = options.check_prompts(prompts, target.cfg.vocab_size)
   b = len(prompts)
   longest = max(len(p) for p in prompts)
-  max_new_tokens = validate.integer("max_new_tokens", max_new_tokens, 1, validate.INT32_MAX - longest - d.num_drafts - 1)
+  max_new_tokens = validate.integer("max_new_tokens", max_new_tokens, 1,
+                                    validate.INT32_MAX - longest - d.num_drafts - 1)
   max_len = None if max_len is None else validate.positive_int("max_len", max_len)
   if stream is not None and not callable(stream):
     raise validate.InvalidType("stream", f"stream must be callable or None, got {type(stream).__name__}")

@@ -53,10 +53,10 @@ class LoopState:
   target, proposer: the models' states (proposer None without drafts); last int32[B];
   drafts int32[B, k] or a tree's int32[B, N]; grammar_state int32[B] after the emitted tokens
   (None without a grammar); out int32[B, W] emitted tokens, num_out int32[B]; done bool[B]
-  (free slots are done); max_new int32[B]: the slot's token limit; key: the PRNG key; target_calls, verify_calls, accepted (emitted
-  drafts), target_tokens (emitted target tokens): int32[B]; accepted_at int32[k]: steps whose
-  draft i was accepted (all slots); tree_probs float32[B, M, V]: a sampled tree's draft
-  distributions, else None.
+  (free slots are done); max_new int32[B]: the slot's token limit; key: the PRNG key;
+  target_calls, verify_calls, accepted (emitted drafts), target_tokens (emitted target tokens):
+  int32[B]; accepted_at int32[k]: steps whose draft i was accepted (all slots);
+  tree_probs float32[B, M, V]: a sampled tree's draft distributions, else None.
   """
 
   target: TargetState
@@ -209,8 +209,8 @@ class Drafter:
     masked = self.draft_masks != "none" and grammar is not None
     drafts, pstate = prop.propose(proposer, pstate, hid_BxTxD, tokens_BxT, num_new_B, self.num_drafts, key=key,
                                   grammar=grammar if masked else None, grammar_state=gstate_B if masked else None,
-                                  catch_up=False, tree=self.tree, grammar_per_position=self.draft_masks == "per_position",
-                                  **self.sampling.kwargs())
+                                  catch_up=False, tree=self.tree,
+                                  grammar_per_position=self.draft_masks == "per_position", **self.sampling.kwargs())
     if self.tree is None:
       return drafts, None, pstate
     return drafts.tokens, drafts.probs, pstate
@@ -263,8 +263,8 @@ class DecodeStep:
     s = LoopState(target=tstate, proposer=pstate, last=zeros(), drafts=jnp.zeros((b, st.rows_per_step - 1), jnp.int32),
                   grammar_state=None if grammar is None else jnp.full((b,), grammar_lib.FREE, jnp.int32),
                   out=jnp.zeros((b, self.out_width()), jnp.int32), num_out=zeros(), done=jnp.ones((b,), bool),
-                  max_new=zeros(), key=key, target_calls=zeros(), verify_calls=zeros(), accepted=zeros(), target_tokens=zeros(),
-                  accepted_at=jnp.zeros((k,), jnp.int32), tree_probs=tree_probs)
+                  max_new=zeros(), key=key, target_calls=zeros(), verify_calls=zeros(), accepted=zeros(),
+                  target_tokens=zeros(), accepted_at=jnp.zeros((k,), jnp.int32), tree_probs=tree_probs)
     return self.placed(s)
 
   def placed(self, s: LoopState) -> LoopState:
@@ -283,7 +283,8 @@ class DecodeStep:
     max_len rows and the output widened; paged, the page budget set. Rows and tokens are kept."""
     st = self.settings
     if st.paging is None and s.target.max_len < st.max_len:
-      s = s.set(target=s.target.grown(st.max_len), proposer=None if s.proposer is None else s.proposer.grown(st.max_len))
+      pstate = None if s.proposer is None else s.proposer.grown(st.max_len)
+      s = s.set(target=s.target.grown(st.max_len), proposer=pstate)
     width = self.out_width()
     if s.out.shape[1] < width:
       s = s.set(out=jnp.pad(s.out, [(0, 0), (0, width - s.out.shape[1])]))
@@ -343,8 +344,9 @@ class DecodeStep:
     b = admit_B.shape[0]
     zero = lambda x: jnp.where(admit_B, 0, x)
     one = admit_B.astype(jnp.int32)
-    s = s.set(num_out=zero(s.num_out), done=s.done & ~admit_B, max_new=jnp.where(admit_B, max_new_B, s.max_new), target_calls=zero(s.target_calls) + one,
-              verify_calls=zero(s.verify_calls), accepted=zero(s.accepted), target_tokens=zero(s.target_tokens) + one)
+    s = s.set(num_out=zero(s.num_out), done=s.done & ~admit_B, max_new=jnp.where(admit_B, max_new_B, s.max_new),
+              target_calls=zero(s.target_calls) + one, verify_calls=zero(s.verify_calls), accepted=zero(s.accepted),
+              target_tokens=zero(s.target_tokens) + one)
     logits, hid, tstate = target_step(target, s.target, prompts_BxT, jnp.where(admit_B, lens_B, 0))
     key, k_first, k_draft = self._split(s.key)
     gstate_B = s.grammar_state
