@@ -35,7 +35,8 @@ def _load(path: str, benchmark: str) -> dict:
 
 
 def _device(result: dict) -> str:
-  return f"{result['backend']} ({result['device_kind']}), JAX {result['jax_version']}"
+  kind = "" if result["device_kind"] == result["backend"] else f" ({result['device_kind']})"
+  return f"{result['backend']}{kind}, JAX {result['jax_version']}"
 
 
 def plot_scaling(result: dict, path: str) -> None:
@@ -50,6 +51,8 @@ def plot_scaling(result: dict, path: str) -> None:
     ax.annotate(f"{r['layers']} layers", (r["mb"], 1.0), textcoords="offset points", xytext=(0, -12),
                 ha="center", fontsize=7, color="gray")
   ax.set_xscale("log", base=2)
+  ax.set_xticks(mb, [f"{x:.1f}" for x in mb])
+  ax.minorticks_off()
   ax.set_xlabel("target weights (MB, float32)")
   ax.set_ylabel("spec / plain tokens/s")
   ax.set_title(f"small demo target + zero-output layers; {s['num_prompts']} prompts x {s['max_new_tokens']} tokens, "
@@ -72,8 +75,8 @@ def plot_chains(result: dict, path: str) -> None:
   if not chains:
     raise ValueError("the demo report has no chain rows (run it with --ks)")
   fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(8, 3.2))
-  for r in chains:
-    ax1.plot(range(1, r["k"] + 1), r["acceptance"], marker="o", label=f"k = {r['k']}")
+  for i, r in enumerate(chains):  # larger markers first: the k = 1 point is under the others
+    ax1.plot(range(1, r["k"] + 1), r["acceptance"], marker="o", ms=4 + 3 * (len(chains) - i), label=f"k = {r['k']}")
   ax1.set_xticks(range(1, max(r["k"] for r in chains) + 1))
   ax1.set_ylim(0, 1)
   ax1.set_xlabel("draft depth")
@@ -81,6 +84,7 @@ def plot_chains(result: dict, path: str) -> None:
   ax1.legend(fontsize=8)
   ax2.bar([str(r["k"]) for r in chains], [r["speedup"] for r in chains])
   ax2.axhline(1.0, color="gray", lw=0.8, ls="--")
+  ax2.set_ylim(0, 1.15 * max([1.0] + [r["speedup"] for r in chains]))  # room for the labels
   for i, r in enumerate(chains):
     ax2.annotate(f"{r['mean_accepted_length']:.2f} tok/step", (i, r["speedup"]), textcoords="offset points",
                  xytext=(0, 3), ha="center", fontsize=7)
@@ -105,10 +109,14 @@ def plot_trees(result: dict, path: str) -> None:
             label="chain, k = " + ", ".join(str(r["k"]) for r in chains))
   ax.scatter([r["rows_per_step"] for r in trees], [r["mean_accepted_length"] for r in trees], marker="s",
              color="C1", label="tree (widths per depth)", zorder=3)
-  for r in trees:
+  for i, r in enumerate(trees):  # labels alternate below and above: neighbours can coincide
     ax.annotate(",".join(map(str, r["tree"])), (r["rows_per_step"], r["mean_accepted_length"]),
-                textcoords="offset points", xytext=(4, -10), fontsize=7)
+                textcoords="offset points", xytext=(4, -12 if i % 2 else 6), fontsize=7)
+  top = max(r["rows_per_step"] for r in rows)
+  ticks = [2 ** i for i in range(1, (top - 1).bit_length() + 1)]
   ax.set_xscale("log", base=2)
+  ax.set_xticks(ticks, [str(x) for x in ticks])
+  ax.minorticks_off()
   ax.set_xlabel("target rows per verify step")
   ax.set_ylabel("mean accepted length (tokens / step)")
   ax.set_title(_demo_title(result), fontsize=8)

@@ -103,11 +103,12 @@ def main(argv=None) -> int:
     rows.append(dict(layers=r["layers"], mb=r["mb"], plain_tokens_per_s=r["plain"],
                      spec={str(k): dict(tokens_per_s=t, spec_over_plain=x, accepted_length=a)
                            for k, (t, x, a) in r["spec"].items()}))
-  if args.json:
-    settings = {k: getattr(args, k) for k in ("layers", "ks", "num_prompts", "prompt_len", "max_new_tokens", "repeats")}
-    with open(args.json, "w") as f:
-      json.dump(dict(benchmark="scaling", backend=jax.default_backend(), device_kind=jax.devices()[0].device_kind,
-                     jax_version=jax.__version__, settings=settings, rows=rows), f, indent=1)
+    if args.json:  # rewritten after every row, so a long run stopped early keeps the rows it measured
+      settings = {k: getattr(args, k) for k in ("layers", "ks", "num_prompts", "prompt_len", "max_new_tokens",
+                                                 "repeats")}
+      with open(args.json, "w") as f:
+        json.dump(dict(benchmark="scaling", backend=jax.default_backend(), device_kind=jax.devices()[0].device_kind,
+                       jax_version=jax.__version__, settings=settings, rows=rows), f, indent=1)
   return 0
 
 
