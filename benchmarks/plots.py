@@ -47,9 +47,10 @@ def plot_scaling(result: dict, path: str) -> None:
   for k in map(str, s["ks"]):
     ax.plot(mb, [r["spec"][k]["spec_over_plain"] for r in rows], marker="o", label=f"k = {k}")
   ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-  for r in rows:
-    ax.annotate(f"{r['layers']} layers", (r["mb"], 1.0), textcoords="offset points", xytext=(0, -12),
-                ha="center", fontsize=7, color="gray")
+  for r in rows:  # along the bottom edge, clear of the lines
+    ax.annotate(f"{r['layers']} layers", (r["mb"], 0.0), xycoords=("data", "axes fraction"), textcoords="offset points",
+                xytext=(0, 4), ha="center", fontsize=7, color="gray")
+  ax.margins(x=0.1, y=0.15)
   ax.set_xscale("log", base=2)
   ax.set_xticks(mb, [f"{x:.1f}" for x in mb])
   ax.minorticks_off()
