@@ -16,6 +16,7 @@ sys.path.insert(0, str(BENCH))
 import bandwidth  # noqa: E402
 import bench_mla  # noqa: E402
 import bench_propose  # noqa: E402
+import demo_report  # noqa: E402
 import hot_path_ab  # noqa: E402
 import plots  # noqa: E402
 import scaling  # noqa: E402
@@ -71,6 +72,20 @@ def test_scaling_quick(capsys, tmp_path):
   assert plots.main(["--scaling", str(tmp_path / "scaling.json"), "--out", str(tmp_path)]) == [
       str(tmp_path / "scaling.png")]
   assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_demo_report_quick_feeds_plots(tmp_path, capsys):
+  path = tmp_path / "demo.json"
+  assert demo_report.main(["--quick", "--ks", "2", "--tree", "2,1", "--json", str(path)]) == 0
+  assert "tree 2,1" in capsys.readouterr().out
+  result = json.loads(path.read_text())
+  rows = result["report"]["rows"]
+  assert [(r["k"], r["tree"], r["rows_per_step"]) for r in rows] == [(2, None, 3), (2, [2, 1], 5)]
+  assert all(r["same_as_plain"] for r in rows) and result["report"]["model"] == "small"
+  assert result["settings"]["num_prompts"] == 2 and result["settings"]["max_new_tokens"] == 8
+  assert plots.main(["--demo", str(path), "--out", str(tmp_path)]) == [str(tmp_path / "chains.png"),
+                                                                      str(tmp_path / "trees.png")]
 
 
 def _demo_row(k, acceptance, length, tree=None, rows=None):
