@@ -11,11 +11,13 @@ passes, compile apart), and each speculative output is checked against plain gre
 
   python benchmarks/scaling.py                      # 4 / 16 / 32 / 64 layers
   python benchmarks/scaling.py --layers 4 8 --quick
+  python benchmarks/scaling.py --json scaling.json  # also writes the rows as JSON (benchmarks/plots.py reads it)
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -79,6 +81,7 @@ def main(argv=None) -> int:
   parser.add_argument("--max-new-tokens", type=int, default=96)
   parser.add_argument("--repeats", type=int, default=3)
   parser.add_argument("--quick", action="store_true", help="a tiny smoke run (2 prompts, 16 tokens, 1 pass)")
+  parser.add_argument("--json", metavar="PATH", help="also write the settings and rows to PATH as JSON")
   args = parser.parse_args(argv)
   if args.quick:
     args.num_prompts, args.max_new_tokens, args.repeats = 2, 16, 1
@@ -89,6 +92,7 @@ def main(argv=None) -> int:
       f"k={k} tok/s | k={k} spec/plain" for k in args.ks) + " | accepted len (k=" + str(max(args.ks)) + ") |"
   print(head)
   print("|" + "---|" * (head.count("|") - 1))
+  rows = []
   for n in args.layers:
     t0 = time.perf_counter()
     r = measure(n, args.ks, num_prompts=args.num_prompts, prompt_len=args.prompt_len,
@@ -96,6 +100,15 @@ def main(argv=None) -> int:
     cells = " | ".join(f"{r['spec'][k][0]:.0f} | {r['spec'][k][1]:.2f}x" for k in args.ks)
     print(f"| {n} | {r['mb']:.1f} | {r['plain']:.0f} | {cells} | {r['spec'][max(args.ks)][2]:.2f} |", flush=True)
     print(f"<!-- {n} layers: {time.perf_counter() - t0:.0f} s with compiles -->", flush=True)
+    rows.append(dict(layers=r["layers"], mb=r["mb"], plain_tokens_per_s=r["plain"],
+                     spec={str(k): dict(tokens_per_s=t, spec_over_plain=x, accepted_length=a)
+                           for k, (t, x, a) in r["spec"].items()}))
+    if args.json:  # rewritten after every row, so a long run stopped early keeps the rows it measured
+      settings = {k: getattr(args, k) for k in ("layers", "ks", "num_prompts", "prompt_len", "max_new_tokens",
+                                                 "repeats")}
+      with open(args.json, "w") as f:
+        json.dump(dict(benchmark="scaling", backend=jax.default_backend(), device_kind=jax.devices()[0].device_kind,
+                       jax_version=jax.__version__, settings=settings, rows=rows), f, indent=1)
   return 0
 
 

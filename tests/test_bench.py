@@ -2,6 +2,7 @@
 asserted). They run in this process, so they share compiles; one subprocess checks that the scripts
 start as `python benchmarks/<script>.py` from a checkout that is not pip-installed."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +16,16 @@ sys.path.insert(0, str(BENCH))
 import bandwidth  # noqa: E402
 import bench_mla  # noqa: E402
 import bench_propose  # noqa: E402
+import demo_report  # noqa: E402
 import hot_path_ab  # noqa: E402
+import plots  # noqa: E402
 import scaling  # noqa: E402
 import vs_transformers  # noqa: E402
 
 
 def test_scripts_start_from_a_checkout():
   for script in ("bench_propose.py", "bandwidth.py", "hot_path_ab.py", "scaling.py", "vs_transformers.py",
-                 "bench_mla.py", "bench_paged.py", "serve_bench.py"):
+                 "bench_mla.py", "bench_paged.py", "serve_bench.py", "demo_report.py"):
     proc = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True,
                           timeout=300, cwd="/")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -58,11 +61,57 @@ def test_hot_path_ab_quick(capsys):
 
 
 @pytest.mark.slow
-def test_scaling_quick(capsys):
-  scaling.main(["--quick", "--layers", "4", "6", "--ks", "2"])
+def test_scaling_quick(capsys, tmp_path):
+  scaling.main(["--quick", "--layers", "4", "6", "--ks", "2", "--json", str(tmp_path / "scaling.json")])
   out = capsys.readouterr().out
   # Zero-output layers keep the tokens (asserted against plain decoding inside) and add weight bytes.
   assert "| 4 | 3.4 | " in out and "| 6 | 5.0 | " in out
+  result = json.loads((tmp_path / "scaling.json").read_text())
+  assert [r["layers"] for r in result["rows"]] == [4, 6] and result["settings"]["max_new_tokens"] == 16
+  assert [round(r["mb"], 1) for r in result["rows"]] == [3.4, 5.0] and list(result["rows"][0]["spec"]) == ["2"]
+  assert plots.main(["--scaling", str(tmp_path / "scaling.json"), "--out", str(tmp_path)]) == [
+      str(tmp_path / "scaling.png")]
+  assert (tmp_path / "scaling.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_demo_report_quick_feeds_plots(tmp_path, capsys):
+  path = tmp_path / "demo.json"
+  assert demo_report.main(["--quick", "--ks", "2", "--tree", "2,1", "--json", str(path)]) == 0
+  assert "tree 2,1" in capsys.readouterr().out
+  result = json.loads(path.read_text())
+  rows = result["report"]["rows"]
+  assert [(r["k"], r["tree"], r["rows_per_step"]) for r in rows] == [(2, None, 3), (2, [2, 1], 5)]
+  assert all(r["same_as_plain"] for r in rows) and result["report"]["model"] == "small"
+  assert result["settings"]["num_prompts"] == 2 and result["settings"]["max_new_tokens"] == 8
+  assert plots.main(["--demo", str(path), "--out", str(tmp_path)]) == [str(tmp_path / "chains.png"),
+                                                                      str(tmp_path / "trees.png")]
+
+
+def _demo_row(k, acceptance, length, tree=None, rows=None):
+  return dict(k=k, acceptance=acceptance, mean_accepted_length=length, target_calls=100, tokens_per_s=500.0,
+              speedup=0.9, ms_per_call=1.0, compile_s=1.0, same_as_plain=True, tree=tree,
+              rows_per_step=rows or k + 1)
+
+
+def test_plots_from_a_demo_report(tmp_path):
+  report = dict(model="small", plain_tokens_per_s=600.0, plain_ms_per_call=0.5, plain_target_calls=64,
+                plain_compile_s=1.0, generated_tokens=64, repeats=1, sample=["a", "b"],
+                rows=[_demo_row(1, [0.8], 1.8), _demo_row(2, [0.8, 0.7], 2.5),
+                      _demo_row(2, [0.9, 0.8], 2.7, tree=[2, 2], rows=7)])
+  result = dict(benchmark="demo", backend="cpu", device_kind="cpu", jax_version="0", report=report,
+                settings=dict(num_prompts=2, prompt_len=64, max_new_tokens=32, seed=0, repeats=1, max_depth=None))
+  (tmp_path / "demo.json").write_text(json.dumps(result))
+  written = plots.main(["--demo", str(tmp_path / "demo.json"), "--out", str(tmp_path / "img")])
+  assert written == [str(tmp_path / "img" / "chains.png"), str(tmp_path / "img" / "trees.png")]
+  assert all(Path(p).read_bytes()[:4] == b"\x89PNG" for p in written)
+  # A chain-only report draws no trees figure; a JSON of another benchmark is refused by name.
+  report["rows"] = report["rows"][:2]
+  (tmp_path / "chains.json").write_text(json.dumps(result))
+  assert plots.main(["--demo", str(tmp_path / "chains.json"), "--out", str(tmp_path)]) == [
+      str(tmp_path / "chains.png")]
+  with pytest.raises(ValueError, match="expected the JSON of the 'scaling' benchmark, got 'demo'"):
+    plots.main(["--scaling", str(tmp_path / "demo.json"), "--out", str(tmp_path)])
 
 
 def test_deepened_target_gives_the_same_logits():
