@@ -118,12 +118,10 @@ class Engine:
     max_batch = validate.positive_int("max_batch", max_batch)
     self.max_waiting = validate.optional_int("max_waiting", max_waiting, 0)
     self.steps_per_call = validate.positive_int("steps_per_call", steps_per_call)
-    rows = (d.num_drafts if tree is None else tree.num_nodes) + 1
-    max_len = validate.integer("max_len", max_len, rows + 1)
+    max_len = validate.integer("max_len", max_len, d.rows_per_step + 1)
     page_size, num_pages = options.paging(max_len, page_size, num_pages, max_batch)
     self.target, self.proposer, self.grammar = target, proposer, grammar
     self.num_drafts, self.max_len, self.page_size, self.num_pages = d.num_drafts, max_len, page_size, num_pages
-    self._rows = rows
     self._step = DecodeStep(StepSettings(
         num_drafts=d.num_drafts, max_new_tokens=max_len, max_len=max_len, sampling=d.sampling,
         eos_token_id=d.eos_token_id, relaxed=d.relaxed, tree=tree, mesh=mesh,
@@ -162,7 +160,7 @@ class Engine:
     deadline_s = None if deadline_s is None else validate.real("deadline_s", deadline_s, 0.0, lo_open=True)
     if constrained and self.grammar is None:
       raise validate.InvalidValue("constrained", "constrained=True needs a grammar: pass Engine(..., grammar=...)")
-    need = len(prompt) + max_new_tokens + self._rows
+    need = len(prompt) + max_new_tokens + self._step.settings.rows_per_step
     if need > self.max_len:
       what = "k + 1" if self._step.settings.tree is None else "the tree nodes + 1"
       raise validate.InvalidValue("prompt", f"request too long for the engine: len(prompt)={len(prompt)} + "

@@ -117,7 +117,7 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
   if stream is not None and not callable(stream):
     raise validate.InvalidType("stream", f"stream must be callable or None, got {type(stream).__name__}")
   constrained_B = _constrained(grammar, constrained, b)
-  step_rows = (d.num_drafts if tree is None else tree.num_nodes) + 1
+  step_rows = d.rows_per_step
   needed = longest + max_new_tokens + step_rows
   if max_len is not None and max_len < needed:
     raise validate.InvalidValue(

@@ -103,6 +103,11 @@ class Decoding:
   tree: TreeSpec | None
   draft_masks: str
 
+  @property
+  def rows_per_step(self) -> int:
+    """Target rows a decode step writes per sequence (as StepSettings.rows_per_step)."""
+    return (self.num_drafts if self.tree is None else self.tree.num_nodes) + 1
+
 
 def decoding(target, proposer, *, num_drafts, temperature, top_k, top_p, seed, eos_token_id, relaxed=None,
              tree=None, grammar=None, draft_masks: str = "per_position") -> Decoding:
