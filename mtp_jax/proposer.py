@@ -39,10 +39,10 @@ from mtp_jax import grammar as grammar_lib
 from mtp_jax import validate
 from mtp_jax import tree as tree_lib
 from mtp_jax.blocks import LayerCaches, Pages, TreeRows
+from mtp_jax.blocks.caches import fold_views
 from mtp_jax.config import MtpConfig
 from mtp_jax.mtp import MtpModel
 from mtp_jax.sampling import filtered_probs, sample
-from mtp_jax.target import with_caches
 from mtp_jax.tree import DraftTree, TreeSpec, check_tree
 
 
@@ -71,7 +71,7 @@ class ProposerState:
 
   def set(self, **changes) -> "ProposerState":
     """A copy with fields replaced; kv= and pages= replace the caches' layers and allocator."""
-    return dataclasses.replace(self, **with_caches(self, changes))
+    return dataclasses.replace(self, **fold_views(self.caches, changes))
 
   @property
   def kv(self) -> tuple:

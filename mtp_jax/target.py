@@ -11,6 +11,7 @@ from flax import nnx
 
 from mtp_jax import validate
 from mtp_jax.blocks import Block, Embed, LayerCache, LayerCaches, Linear, Pages, RMSNorm, TreeRows
+from mtp_jax.blocks.caches import fold_views
 from mtp_jax.config import TargetConfig
 from mtp_jax.mtp import assign_state_dict, param_names
 from mtp_jax.tree import TreeSpec
@@ -44,14 +45,6 @@ class TargetModel(nnx.Module):
     return logits, (normed if self.cfg.output_normed_hidden else h), (None if kv is None else tuple(new_kv))
 
 
-def with_caches(state, changes: dict) -> dict:
-  """changes with kv= / pages= (a state's views of its LayerCaches) folded into caches=."""
-  if "kv" in changes or "pages" in changes:
-    moved = {"layers" if k == "kv" else k: changes.pop(k) for k in ("kv", "pages") if k in changes}
-    changes["caches"] = changes.get("caches", state.caches).set(**moved)
-  return changes
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TargetState:
@@ -63,7 +56,7 @@ class TargetState:
 
   def set(self, **changes) -> "TargetState":
     """A copy with fields replaced; kv= and pages= replace the caches' layers and allocator."""
-    return dataclasses.replace(self, **with_caches(self, changes))
+    return dataclasses.replace(self, **fold_views(self.caches, changes))
 
   @property
   def kv(self) -> tuple:

@@ -56,6 +56,15 @@ def _allocator(batch_size, max_len, page_size, num_pages, pages):
   return None if page_size is None else Pages.create(batch_size, max_len, page_size, num_pages)
 
 
+def fold_views(caches: "LayerCaches", changes: dict) -> dict:
+  """A state's `set(**changes)` with kv= / pages= (its views of its LayerCaches `caches`: the
+  layers and the allocator) folded into caches=."""
+  if "kv" in changes or "pages" in changes:
+    moved = {"layers" if k == "kv" else k: changes.pop(k) for k in ("kv", "pages") if k in changes}
+    changes["caches"] = changes.get("caches", caches).set(**moved)
+  return changes
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerCaches:

@@ -115,7 +115,7 @@ class Pages:
     """
     page_size = validate.positive_int("page_size", page_size)
     num_pages = validate.positive_int("num_pages", num_pages)
-    table = validate.array("pages", table, (None, None), kind="int", dims="[B, max_pages]")
+    table = validate.array("table", table, (None, None), kind="int", dims="[B, max_pages]")
     b = table.shape[0]
     return cls(table=jnp.asarray(table).astype(jnp.int32), used=jnp.zeros((b,), jnp.int32),
                free=jnp.full((num_pages,), num_pages, jnp.int32), num_free=jnp.zeros((), jnp.int32),
