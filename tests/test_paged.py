@@ -289,3 +289,17 @@ def test_paged_mla_drafts_equal_contiguous():
     d_flat, d_paged = flat.call(h, t, n, K), paged.call(h, t, n, K)
   np.testing.assert_array_equal(d_paged, d_flat)
   paged.check(d_paged, K)
+
+
+def test_external_pages_errors():
+  table = np.zeros((2, MAX_LEN // PAGE), np.int32)
+  with pytest.raises(ValueError, match=r"pages' table is int32\[3, 6\], expected \[B=2") as e:
+    mtp_jax.init_state(CFG, 2, MAX_LEN, pages=Pages.external(np.zeros((3, 6), np.int32), PAGE, 8))
+  assert e.value.argument == "pages"
+  with pytest.raises(ValueError, match="pass those only without it"):
+    mtp_jax.init_target_state(TARGET5.cfg, 2, MAX_LEN, page_size=PAGE, pages=Pages.external(table, PAGE, 8))
+  with pytest.raises(TypeError, match="table must be int32") as e:
+    Pages.external(table.astype(np.float32), PAGE, 8)
+  assert e.value.argument == "table"
+  with pytest.raises(ValueError, match="only caches made with pages=Pages.external"):
+    mtp_jax.init_state(CFG, 2, MAX_LEN).with_page_table(table)

@@ -111,7 +111,7 @@ def test_sharded_paged_propose_and_target_step_equal_single_device():
   # Pools split by KV heads on "model" (never by batch: any slot may hold any page); the
   # allocator replicated; MLA's latent pools replicated.
   assert run["pool_spec"] == [None, None, "model", None]
-  assert run["table_spec"] == [] and run["mla_pool_spec"] == []
+  assert run["table_spec"] == [] and run["mla_pool_spec"] == [None, None, None]
 
 
 def test_errors():
@@ -255,8 +255,9 @@ def _paged_child() -> dict:
     result[name + "single"] = drive(params, paged(), np.asarray, np.asarray)[0].tolist()
     drafts, out = drive(sharding.shard_params(params, mesh), settle(paged()), place, np.asarray, settle)
     result[name + "sharded"] = drafts.tolist()
-    result[name + "pool_spec"] = _spec(out.kv[0].latent if cfg.mla else out.kv[0].k)
-    result["table_spec"] = _spec(out.pages.table)
+    placed = settle(out)
+    result[name + "pool_spec"] = _spec(placed.kv[0].latent if cfg.mla else placed.kv[0].k)
+    result["table_spec"] = _spec(placed.pages.table)
   tcfg = mtp_jax.TargetConfig(num_layers=2, num_kv_heads=2, **common)
   target = mtp_jax.init_target(tcfg, seed=1)
   rng = np.random.default_rng(0)
