@@ -162,7 +162,7 @@ def forward_chain(model: MtpModel, hiddens_BxTxD: jax.Array, tokens_BxU: jax.Arr
   k = num_modules or model.cfg.num_depths
   if tokens_BxU.shape[1] < t + k - 1:
     raise ValueError(f"tokens_BxU needs at least T + K - 1 = {t + k - 1} columns, got {tokens_BxU.shape[1]}")
-  return _forward_chain(model, hiddens_BxTxD, tokens_BxU, k)
+  return _forward_chain(model, jnp.asarray(hiddens_BxTxD), jnp.asarray(tokens_BxU), k)
 
 
 @validate.jit_when_concrete(static_argnums=3)

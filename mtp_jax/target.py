@@ -123,7 +123,7 @@ def target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B, t
   its rows beyond its pages are dropped (its logits are then meaningless; others are unaffected).
   Returns (logits float32[B, T, V], hiddens dtype[B, T, D], new TargetState with length += num_new).
   """
-  return _target_step(model, state, tokens_BxT, num_new_B, tree)
+  return _target_step(model, state, jnp.asarray(tokens_BxT), jnp.asarray(num_new_B), tree)
 
 
 @validate.jit_when_concrete(static_argnums=4)
