@@ -17,7 +17,7 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax import validate
-from mtp_jax.blocks import Block, Embed, KVCache, Linear, RMSNorm, TreeRows, module_state_dict
+from mtp_jax.blocks import Block, Embed, LayerCache, Linear, RMSNorm, TreeRows, module_state_dict
 from mtp_jax.config import MtpConfig
 
 
@@ -36,7 +36,7 @@ class MtpModule(nnx.Module):
     self.shared_head_norm = (RMSNorm(d, eps=eps, dtype=dt, unit_offset=cfg.norm_unit_offset)
                              if cfg.head_norm else None)
 
-  def __call__(self, emb_BxTxD, h_BxTxD, rows_BxT, valid_BxT, cache: KVCache | None, rope_offset: int,
+  def __call__(self, emb_BxTxD, h_BxTxD, rows_BxT, valid_BxT, cache: LayerCache | None, rope_offset: int,
                tree: TreeRows | None = None):
     """Returns (h^m dtype[B, T, D] before the head norm, new cache); tree: rows are draft-tree nodes."""
     x = self.eh_proj(jnp.concatenate([self.enorm(emb_BxTxD), self.hnorm(h_BxTxD)], axis=-1))
@@ -162,11 +162,10 @@ def forward_chain(model: MtpModel, hiddens_BxTxD: jax.Array, tokens_BxU: jax.Arr
   k = num_modules or model.cfg.num_depths
   if tokens_BxU.shape[1] < t + k - 1:
     raise ValueError(f"tokens_BxU needs at least T + K - 1 = {t + k - 1} columns, got {tokens_BxU.shape[1]}")
-  if validate.is_concrete(hiddens_BxTxD, tokens_BxU):  # eager (a notebook, a reference): one compile, not one per op
-    return _forward_chain_jit(model, jnp.asarray(hiddens_BxTxD), jnp.asarray(tokens_BxU), k)
-  return _forward_chain(model, hiddens_BxTxD, tokens_BxU, k)
+  return _forward_chain(model, jnp.asarray(hiddens_BxTxD), jnp.asarray(tokens_BxU), k)
 
 
+@validate.jit_when_concrete(static_argnums=3)
 def _forward_chain(model: MtpModel, hiddens_BxTxD, tokens_BxU, k: int) -> jax.Array:
   b, t, _ = hiddens_BxTxD.shape
   rows_BxT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
@@ -180,5 +179,3 @@ def _forward_chain(model: MtpModel, hiddens_BxTxD, tokens_BxU, k: int) -> jax.Ar
     h = model.next_hidden(i, h)
   return jnp.stack(out)
 
-
-_forward_chain_jit = jax.jit(_forward_chain, static_argnums=3)

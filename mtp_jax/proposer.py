@@ -37,12 +37,11 @@ from jax.experimental import checkify
 
 from mtp_jax import grammar as grammar_lib
 from mtp_jax import validate
-from mtp_jax.blocks import KVCache, MlaCache, TreeRows, init_cache
-from mtp_jax.blocks.cache import grow_caches
-from mtp_jax.blocks.paged import Pages, PagedKVCache, allocator, bind, paged_cache, unbind
+from mtp_jax import tree as tree_lib
+from mtp_jax.blocks import LayerCaches, Pages, TreeRows
+from mtp_jax.blocks.caches import fold_views
 from mtp_jax.config import MtpConfig
 from mtp_jax.mtp import MtpModel
-from mtp_jax import tree as tree_lib
 from mtp_jax.sampling import filtered_probs, sample
 from mtp_jax.tree import DraftTree, TreeSpec, check_tree
 
@@ -52,16 +51,16 @@ from mtp_jax.tree import DraftTree, TreeSpec, check_tree
 class ProposerState:
   """Pytree of the proposer's per-sequence state; see the module docstring for the layout.
 
-  kv: K x the modules' caches (`init_cache`: KVCache k, v dtype[B, L, Hkv, Dh], or an MLA
-  layer's MlaCache latent dtype[B, L, R], k_rope dtype[B, L, Dr]); tail: (K - 1) x dtype[B, K, D];
+  caches: the depths' LayerCaches: `kv`, K caches (KVCache k, v dtype[B, L, Hkv, Dh], or an MLA
+  layer's MlaCache latent dtype[B, L, R], k_rope dtype[B, L, Dr], or their paged forms sharing
+  the table of `pages`, the allocator, None when contiguous); tail: (K - 1) x dtype[B, K, D];
   lengths: int32[K, B]; num_pos: int32[B]; num_drafted: int32[B];
   draft_probs: float32[B, K, V] or None; cfg: static MtpConfig;
   num_live: static int, the modules 0..num_live-1 whose rows are current (K unless a
   `propose(..., catch_up=False)` left the deeper ones behind).
-  Paged (`init_state(page_size=, num_pages=)`): kv is K x PagedKVCache sharing `pages`' table.
   """
 
-  kv: tuple[KVCache | MlaCache | PagedKVCache, ...]
+  caches: LayerCaches
   tail: tuple[jax.Array, ...]
   lengths: jax.Array
   num_pos: jax.Array
@@ -69,10 +68,19 @@ class ProposerState:
   draft_probs: jax.Array | None
   cfg: MtpConfig = dataclasses.field(metadata=dict(static=True))
   num_live: int = dataclasses.field(metadata=dict(static=True))
-  pages: Pages | None = None
 
   def set(self, **changes) -> "ProposerState":
-    return dataclasses.replace(self, **changes)
+    """A copy with fields replaced; kv= and pages= replace the caches' layers and allocator."""
+    return dataclasses.replace(self, **fold_views(self.caches, changes))
+
+  @property
+  def kv(self) -> tuple:
+    """K caches, one per depth (see the class docstring)."""
+    return self.caches.layers
+
+  @property
+  def pages(self) -> Pages | None:
+    return self.caches.pages
 
   @property
   def batch_size(self) -> int:
@@ -80,34 +88,45 @@ class ProposerState:
 
   @property
   def max_len(self) -> int:
-    return self.kv[0].max_len
+    return self.caches.max_len
 
   @property
   def out_of_pages(self) -> jax.Array:
     """bool[B]: slots the page allocator refused a page (never when contiguous)."""
-    return jnp.zeros(self.num_pos.shape, bool) if self.pages is None else self.pages.oom
+    return self.caches.out_of_pages(self.batch_size)
 
   def pages_needed(self, num_new_B) -> jax.Array:
     """int32[]: pages held in all after a call adding num_new_B (int32[B]) positions per slot (0 when contiguous)."""
-    return jnp.zeros((), jnp.int32) if self.pages is None else self.pages.pages_after(self.num_pos + num_new_B)
+    return self.caches.pages_after(self.num_pos + num_new_B)
 
   def with_page_budget(self, budget: int | None) -> "ProposerState":
     """This state whose calls read `budget` pages (unchanged when contiguous or budget is None)."""
-    return self if self.pages is None or budget is None else self.set(pages=self.pages.with_budget(budget))
+    return self.set(caches=self.caches.with_budget(budget))
+
+  def with_page_table(self, table) -> "ProposerState":
+    """External paging (`init_state(pages=Pages.external(..))`): this state reading and writing
+    through the caller's new table int32[B, max_pages]."""
+    return self.set(caches=self.caches.with_page_table(table))
 
   def grown(self, max_len: int) -> "ProposerState":
     """This state with contiguous caches of max_len rows (>= max_len now), rows kept."""
-    return self.set(kv=grow_caches(self.kv, max_len))
+    return self.set(caches=self.caches.grown(max_len))
 
 
 def init_state(cfg: MtpConfig, batch_size: int, max_len: int, *, keep_draft_probs: bool = False,
-               dtype=None, page_size: int | None = None, num_pages: int | None = None) -> ProposerState:
-  """An empty state for `batch_size` sequences of at most `max_len` positions each.
+               dtype=None, page_size: int | None = None, num_pages: int | None = None,
+               pages: Pages | None = None) -> ProposerState:
+  """An empty state for `batch_size` sequences of at most `max_len` positions.
 
   keep_draft_probs: also keep float32[B, K, V] draft distributions (for sampling verification).
   dtype: KV cache / tail dtype (default cfg.dtype).
-  page_size, num_pages: paged caches (blocks/paged.py): each module a pool of num_pages pages
+  page_size, num_pages: paged caches (blocks/paged.py): each depth a pool of num_pages pages
     of page_size rows, pages taken as positions arrive and returned by `reset_slots`.
+  pages: paged through a table the caller allocates and owns, `Pages.external(table, page_size,
+    num_pages)` with table int32[B, max_len // page_size]: position j of slot b is row j of
+    every depth, in page table[b, j // page_size]; calls read and write through it and allocate
+    nothing; a slot whose positions the table does not cover is flagged in `out_of_pages`.
+    `state.with_page_table` hands in a new table between calls.
   """
   validate.instance("cfg", cfg, MtpConfig)
   batch_size = validate.positive_int("batch_size", batch_size)
@@ -115,16 +134,16 @@ def init_state(cfg: MtpConfig, batch_size: int, max_len: int, *, keep_draft_prob
   keep_draft_probs = validate.flag("keep_draft_probs", keep_draft_probs)
   dtype = cfg.jnp_dtype if dtype is None else validate.float_dtype("dtype", dtype)
   k, d = cfg.num_depths, cfg.hidden_size
-  pages = allocator(batch_size, max_len, page_size, num_pages)
+  caches = LayerCaches.create(cfg.block_config(), k, batch_size, max_len, dtype=dtype, page_size=page_size,
+                              num_pages=num_pages, pages=pages)
   return ProposerState(
-      kv=tuple(init_cache(cfg, batch_size, max_len, dtype) if pages is None else
-               paged_cache(cfg, pages, dtype) for _ in range(k)),
+      caches=caches,
       tail=tuple(jnp.zeros((batch_size, k, d), dtype) for _ in range(k - 1)),
       lengths=jnp.zeros((k, batch_size), jnp.int32),
       num_pos=jnp.zeros((batch_size,), jnp.int32),
       num_drafted=jnp.zeros((batch_size,), jnp.int32),
       draft_probs=(jnp.zeros((batch_size, k, cfg.vocab_size), jnp.float32) if keep_draft_probs else None),
-      cfg=cfg, num_live=k, pages=pages)
+      cfg=cfg, num_live=k)
 
 
 def _trim(lengths_KxB, num_pos_B, num_accepted_B):
@@ -243,12 +262,30 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
     validate.raise_failed(_propose_value_errors(state, hiddens, tokens, num_new, params.cfg.vocab_size, grammar,
                                                 grammar_state),
                           num_pos=state.num_pos, num_new=num_new)
-    return _propose_jit(params, state, hiddens, tokens.astype(jnp.int32), num_new.astype(jnp.int32),
-                        num_drafts, key, temperature, top_k, top_p, grammar, grammar_state, checked,
-                        grammar_per_position, catch_up, tree)
-  return _propose(params, state, hiddens, tokens.astype(jnp.int32), num_new.astype(jnp.int32),
-                  num_drafts, key, temperature, top_k, top_p, grammar, grammar_state, checked,
-                  grammar_per_position, catch_up=catch_up, tree=tree)
+  settings = ProposeSettings(num_drafts, temperature, top_k, top_p, checked, grammar_per_position, catch_up, tree)
+  return propose_step(params, state, hiddens, tokens.astype(jnp.int32), num_new.astype(jnp.int32), settings,
+                      key, grammar, grammar_state)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProposeSettings:
+  """The static settings of one propose call (see `propose` for each): hashable, so a jit takes
+  it as one static argument and compiles once per value.
+
+  num_drafts: k, 1..K; temperature / top_k / top_p: sampling (temperature 0: greedy);
+  checked: add checkify checks on values; grammar_per_position: mask draft i with the grammar
+  state after drafts 0..i-1 (False: with the state after the verified tokens, the seed's way);
+  catch_up: run every depth (False: only the k drafting ones); tree: draft this TreeSpec.
+  """
+
+  num_drafts: int
+  temperature: float = 0.0
+  top_k: int | None = None
+  top_p: float | None = None
+  checked: bool = False
+  grammar_per_position: bool = True
+  catch_up: bool = True
+  tree: TreeSpec | None = None
 
 
 def _check_grammar(grammar, grammar_state, batch_size, vocab_size):
@@ -265,15 +302,21 @@ def _gather_rows(x_BxTx, idx_BxW):
   return jnp.take_along_axis(x_BxTx, idx_BxW.reshape(idx_BxW.shape + (1,) * (x_BxTx.ndim - 2)), axis=1)
 
 
-def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, key, temperature,
-             top_k, top_p, grammar, grammar_state_B, checked, grammar_per_position=True, catch_up=True,
-             tree=None):
+@validate.jit_when_concrete(static_argnums=5)
+def propose_step(params: MtpModel, state: ProposerState, hiddens_BxTxD, tokens_BxT, num_new_B,
+                 settings: ProposeSettings, key=None, grammar=None, grammar_state_B=None):
+  """`propose` without its argument checks, for a serving step that checked its inputs once:
+  hiddens float[B, T, D], tokens int32[B, T], num_new int32[B], the static settings, key,
+  grammar and grammar_state int32[B] as `propose` takes them. Returns what `propose` returns.
+  Jitted when called with concrete arrays; inside a caller's jit, traced into it."""
+  num_drafts, temperature, top_k, top_p = settings.num_drafts, settings.temperature, settings.top_k, settings.top_p
+  grammar_per_position, catch_up, tree = settings.grammar_per_position, settings.catch_up, settings.tree
   # grammar_per_position=False masks every draft with grammar_state_B, as the seed proposer
   # did; the serving loop's ablation (generate's draft_masks="first") uses it.
   # catch_up=False runs modules 0..k-1 only; the deeper modules' rows, lengths and rings are
   # left as they were (stale), which num_live records.
   cfg = params.cfg
-  if checked:
+  if settings.checked:
     validate.checkify_checks(_propose_value_errors(state, hiddens_BxTxD, tokens_BxT, num_new_B, cfg.vocab_size,
                                                    grammar, grammar_state_B))
   b, t, _ = hiddens_BxTxD.shape
@@ -285,17 +328,16 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
   lengths_KxB = jnp.where(pending_B[None], _trim(state.lengths, num_pos_B, jnp.zeros_like(num_pos_B)),
                           state.lengths)
   new_num_pos_B = num_pos_B + num_new_B
-  kv, tail, pages = list(state.kv), list(state.tail), state.pages
-  if pages is not None:
-    # Every row this call writes is below new_num_pos_B (a slot refused pages writes nothing).
-    pages = pages.ensure(new_num_pos_B)
-    kv = list(bind(state.kv, pages))
+  # Every row this call writes is below new_num_pos_B (paged, a slot refused pages writes nothing).
+  caches, kv = state.caches.open(new_num_pos_B)
+  kv, tail = list(kv), list(state.tail)
   new_lengths, drafts, probs = [], [], []
   prev_h_BxWxD, prev_start_B = hiddens_BxTxD.astype(cfg.jnp_dtype), num_pos_B
   g_state_B = grammar_state_B
   num_run = cfg.num_depths if catch_up else num_drafts
   if tree is not None:
     nodes_tok_BxN1 = jnp.zeros((b, tree.num_nodes + 1), jnp.int32)
+    nodes_h = None  # depth i - 1's handed-on hiddens at the tree's nodes
     tree_probs = []
   for i in range(num_run):
     # A tree runs every depth over verified rows only; its nodes are extra rows (_tree_depth).
@@ -344,7 +386,7 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
         g_state_B = grammar_lib.advance(grammar, g_state_B, d_B)
     if tree is not None and i < num_drafts:
       nodes_h, out_BxNxD = _tree_depth(params, i, tree, kv[i], out_BxWxD, next_h_BxWxD, start_B, new_num_pos_B,
-                                       nodes_h if i > 0 else None, nodes_tok_BxN1)
+                                       nodes_h, nodes_tok_BxN1)
       logits_BxNxV = params.logits(i, out_BxNxD)
       if grammar is not None:
         # Each node is masked with the state after its path (the "first" ablation: the root's state).
@@ -363,10 +405,10 @@ def _propose(params, state, hiddens_BxTxD, tokens_BxT, num_new_B, num_drafts, ke
   draft_probs = state.draft_probs
   if draft_probs is not None and tree is None:  # a tree's distributions travel in its DraftTree
     draft_probs = draft_probs.at[:, :num_drafts].set(jnp.stack(probs, axis=1))
-  new_state = state.set(kv=tuple(kv) if pages is None else unbind(kv), tail=tuple(tail),
+  new_state = state.set(caches=caches.close(kv), tail=tuple(tail),
                         lengths=jnp.concatenate([jnp.stack(new_lengths), lengths_KxB[num_run:]]),
                         num_pos=new_num_pos_B, num_drafted=jnp.full((b,), num_drafts, jnp.int32),
-                        draft_probs=draft_probs, num_live=num_run, pages=pages)
+                        draft_probs=draft_probs, num_live=num_run)
   if tree is not None:
     probs = None if temperature == 0 else jnp.concatenate(tree_probs, axis=1)
     return DraftTree.of(tree, nodes_tok_BxN1[:, 1:], probs), new_state
@@ -410,9 +452,6 @@ def _tree_children(logits_BxNxV, width, key, temperature, top_k, top_p):
   q_BxNxV = filtered_probs(logits_BxNxV, temperature=temperature, top_k=top_k, top_p=top_p)
   kids = jax.random.categorical(key, jnp.log(q_BxNxV)[:, :, None], axis=-1, shape=(b, n, width))
   return kids.reshape(b, -1).astype(jnp.int32), q_BxNxV
-
-
-_propose_jit = jax.jit(_propose, static_argnums=(5, 7, 8, 9, 12, 13, 14, 15))
 
 
 def after_verify(state: ProposerState, num_accepted, *, checked: bool = False) -> ProposerState:
@@ -464,7 +503,7 @@ def reset_slots(state: ProposerState, mask) -> ProposerState:
   return state.set(lengths=jnp.where(mask_B[None], 0, state.lengths), num_pos=zero(state.num_pos),
                    num_drafted=zero(state.num_drafted), tail=tuple(zero(x) for x in state.tail),
                    draft_probs=None if state.draft_probs is None else zero(state.draft_probs),
-                   pages=None if state.pages is None else state.pages.reset(mask_B))
+                   caches=state.caches.reset(mask_B))
 
 
 def checked(fn):

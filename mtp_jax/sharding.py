@@ -100,8 +100,11 @@ def state_specs(state: ProposerState | TargetState, mesh: Mesh):
   """PartitionSpecs for a ProposerState or TargetState, as a pytree of the same kind.
 
   Batch B on "data" (replicated if B % data != 0). Caches as their `partition_specs` say: GQA
-  dtype[B, L, Hkv, Dh] with Hkv on "model" when Hkv % model == 0, MLA latents replicated on "model". Proposer: tail dtype[B, K, D], draft_probs float32[B, K, V]
-  by batch; lengths int32[K, B] on axis 1; num_pos, num_drafted int32[B]. Target: length int32[B].
+  dtype[B, L, Hkv, Dh] with Hkv on "model" when Hkv % model == 0, MLA latents replicated on
+  "model"; paged pools dtype[num_pages, page_size, ...] likewise by KV heads (MLA's replicated),
+  never by batch (any slot may hold any page), and the page allocator replicated. Proposer: tail
+  dtype[B, K, D], draft_probs float32[B, K, V] by batch; lengths int32[K, B] on axis 1; num_pos,
+  num_drafted int32[B]. Target: length int32[B].
   """
   data_size, m = _axis_sizes(mesh)
   if isinstance(state, ProposerState):
@@ -112,12 +115,10 @@ def state_specs(state: ProposerState | TargetState, mesh: Mesh):
     raise TypeError(f"state must be a ProposerState or TargetState, got {type(state).__name__}")
   b = DATA if batch % data_size == 0 else None
 
-  def kv(cache):
-    return cache.partition_specs(b, MODEL, m)
-
+  caches = state.caches.partition_specs(b, MODEL, m)
   if isinstance(state, TargetState):
-    return state.set(kv=tuple(kv(c) for c in state.kv), length=P(b))
-  return state.set(kv=tuple(kv(c) for c in state.kv), tail=tuple(P(b, None, None) for _ in state.tail),
+    return state.set(caches=caches, length=P(b))
+  return state.set(caches=caches, tail=tuple(P(b, None, None) for _ in state.tail),
                    lengths=P(None, b), num_pos=P(b), num_drafted=P(b),
                    draft_probs=None if state.draft_probs is None else P(b, None, None))
 

@@ -10,9 +10,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax import validate
-from mtp_jax.blocks import Block, Embed, KVCache, Linear, MlaCache, RMSNorm, TreeRows, init_cache
-from mtp_jax.blocks.cache import grow_caches, move_rows
-from mtp_jax.blocks.paged import Pages, PagedKVCache, allocator, bind, paged_cache, unbind
+from mtp_jax.blocks import Block, Embed, LayerCache, LayerCaches, Linear, Pages, RMSNorm, TreeRows
+from mtp_jax.blocks.caches import fold_views
 from mtp_jax.config import TargetConfig
 from mtp_jax.mtp import assign_state_dict, param_names
 from mtp_jax.tree import TreeSpec, check_tree
@@ -29,7 +28,7 @@ class TargetModel(nnx.Module):
                         unit_offset=cfg.norm_unit_offset)
     self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.jnp_dtype, rngs=rngs)
 
-  def __call__(self, tokens_BxT, rows_BxT, valid_BxT, kv: tuple[KVCache, ...] | None,
+  def __call__(self, tokens_BxT, rows_BxT, valid_BxT, kv: tuple[LayerCache, ...] | None,
                tree: TreeRows | None = None):
     """Runs tokens at cache rows rows_BxT (cache-free over this call's rows when kv is None);
     with tree, the rows are draft-tree nodes at RoPE positions rows_BxT (see TreeRows).
@@ -49,51 +48,71 @@ class TargetModel(nnx.Module):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TargetState:
-  kv: tuple[KVCache | MlaCache | PagedKVCache, ...]
+  """caches: the layers' LayerCaches (`kv`: one cache per layer, `pages`: the allocator or None);
+  length: int32[B], rows written per sequence."""
+
+  caches: LayerCaches
   length: jax.Array
-  pages: Pages | None = None
 
   def set(self, **changes) -> "TargetState":
-    return dataclasses.replace(self, **changes)
+    """A copy with fields replaced; kv= and pages= replace the caches' layers and allocator."""
+    return dataclasses.replace(self, **fold_views(self.caches, changes))
+
+  @property
+  def kv(self) -> tuple:
+    """One cache per layer (KVCache k, v dtype[B, L, Hkv, Dh], MlaCache, or their paged forms)."""
+    return self.caches.layers
+
+  @property
+  def pages(self) -> Pages | None:
+    return self.caches.pages
 
   @property
   def max_len(self) -> int:
-    return self.kv[0].max_len
+    return self.caches.max_len
 
   @property
   def out_of_pages(self) -> jax.Array:
     """bool[B]: slots the page allocator refused a page (never when contiguous)."""
-    return jnp.zeros(self.length.shape, bool) if self.pages is None else self.pages.oom
+    return self.caches.out_of_pages(self.length.shape[0])
 
   def pages_needed(self, num_new_B) -> jax.Array:
     """int32[]: pages held in all after a call adding num_new_B (int32[B]) rows per slot (0 when contiguous)."""
-    return jnp.zeros((), jnp.int32) if self.pages is None else self.pages.pages_after(self.length + num_new_B)
+    return self.caches.pages_after(self.length + num_new_B)
 
   def with_page_budget(self, budget: int | None) -> "TargetState":
     """This state whose calls read `budget` pages (unchanged when contiguous or budget is None)."""
-    return self if self.pages is None or budget is None else self.set(pages=self.pages.with_budget(budget))
+    return self.set(caches=self.caches.with_budget(budget))
+
+  def with_page_table(self, table) -> "TargetState":
+    """External paging (`init_target_state(pages=Pages.external(..))`): this state reading and
+    writing through the caller's new table int32[B, max_pages]."""
+    return self.set(caches=self.caches.with_page_table(table))
 
   def grown(self, max_len: int) -> "TargetState":
     """This state with contiguous caches of max_len rows (>= max_len now), rows kept."""
-    return self.set(kv=grow_caches(self.kv, max_len))
+    return self.set(caches=self.caches.grown(max_len))
 
 
 def init_target_state(cfg: TargetConfig, batch_size: int, max_len: int, *, dtype=None,
-                      page_size: int | None = None, num_pages: int | None = None) -> TargetState:
+                      page_size: int | None = None, num_pages: int | None = None,
+                      pages: Pages | None = None) -> TargetState:
   """Empty caches for batch_size sequences of at most max_len positions.
 
   cfg: a TargetConfig; batch_size, max_len: ints >= 1; dtype: a floating cache dtype (default cfg.dtype).
   page_size, num_pages: paged caches (blocks/paged.py), pages taken as rows are written and
   returned by `trim_target` / `reset_target_slots`.
+  pages: paged through a table the caller allocates and owns, `Pages.external(table, page_size,
+    num_pages)` with table int32[B, max_len // page_size]; calls read and write through it and
+    allocate nothing (`state.with_page_table` hands in a new table).
   """
   validate.instance("cfg", cfg, TargetConfig, "a TargetConfig")
   batch_size = validate.positive_int("batch_size", batch_size)
   max_len = validate.positive_int("max_len", max_len)
   dtype = None if dtype is None else validate.float_dtype("dtype", dtype)
-  pages = allocator(batch_size, max_len, page_size, num_pages)
-  return TargetState(kv=tuple(init_cache(cfg, batch_size, max_len, dtype) if pages is None else
-                              paged_cache(cfg, pages, dtype) for _ in range(cfg.num_layers)),
-                     length=jnp.zeros((batch_size,), jnp.int32), pages=pages)
+  caches = LayerCaches.create(cfg.block_config(), cfg.num_layers, batch_size, max_len, dtype=dtype,
+                              page_size=page_size, num_pages=num_pages, pages=pages)
+  return TargetState(caches=caches, length=jnp.zeros((batch_size,), jnp.int32))
 
 
 def target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B, tree: TreeSpec | None = None, *,
@@ -115,11 +134,10 @@ def target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B, t
   """
   tokens_BxT, num_new_B = _check_step_args(model, state, tokens_BxT, num_new_B, tree)
   checked = validate.flag("checked", checked)
-  if validate.is_concrete(state.length, tokens_BxT, num_new_B):  # eager: one compile, not one per op
+  if validate.is_concrete(state.length, tokens_BxT, num_new_B):
     validate.raise_failed(_step_value_checks(state, tokens_BxT, num_new_B, model.cfg.vocab_size, tree),
                           length=state.length, num_new=num_new_B)
-    return _target_step_jit(model, state, tokens_BxT, num_new_B, tree)
-  if checked:
+  elif checked:
     validate.checkify_checks(_step_value_checks(state, tokens_BxT, num_new_B, model.cfg.vocab_size, tree))
   return _target_step(model, state, tokens_BxT, num_new_B, tree)
 
@@ -157,6 +175,7 @@ def _step_value_checks(state, tokens_BxT, num_new_B, vocab_size, tree):
   ]
 
 
+@validate.jit_when_concrete(static_argnums=4)
 def _target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B, tree: TreeSpec | None):
   t = tokens_BxT.shape[1]
   rows_BxT = state.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
@@ -165,22 +184,14 @@ def _target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B, 
   if tree is not None:
     tree_rows = TreeRows(base_B=state.length, visible_TxT=tree.visible, write_BxT=rows_BxT)
     rows_BxT = state.length[:, None] + jnp.asarray(tree.depths)[None]
-  kv, pages = state.kv, state.pages
-  if pages is not None:
-    pages = pages.ensure(state.length + num_new_B)
-    kv = bind(kv, pages)
-  logits, hiddens, kv = model(tokens_BxT, rows_BxT, valid_BxT, kv, tree_rows)
-  if pages is not None:
-    kv = unbind(kv)
-  return logits, hiddens, state.set(kv=kv, length=state.length + num_new_B, pages=pages)
-
-
-_target_step_jit = jax.jit(_target_step, static_argnums=4)
+  caches, layers = state.caches.open(state.length + num_new_B)
+  logits, hiddens, layers = model(tokens_BxT, rows_BxT, valid_BxT, layers, tree_rows)
+  return logits, hiddens, state.set(caches=caches.close(layers), length=state.length + num_new_B)
 
 
 def trim_target(state: TargetState, length_B) -> TargetState:
   """Keeps rows 0..length_B[b]-1 (int32[B], <= length): rejected rows; paged, whole pages past them go back."""
-  return state.set(length=length_B, pages=None if state.pages is None else state.pages.release(length_B))
+  return state.set(length=length_B, caches=state.caches.release(length_B))
 
 
 def compact_target(state: TargetState, start_B, path_BxK1, num_accepted_B) -> TargetState:
@@ -188,18 +199,17 @@ def compact_target(state: TargetState, start_B, path_BxK1, num_accepted_B) -> Ta
   into place. Node path_BxK1[b, d] (int32[B, k + 1], tree indices by depth) moves from row
   start + path[d] to row start + d for d = 1..num_accepted_B[b]; `trim_target(state, start + a + 1)`
   then leaves the caches exactly as a chain verification of [last, d_1..d_a] would.
-  Contiguous caches only."""
+  Contiguous or paged (rows move through the page table)."""
   k1 = path_BxK1.shape[1]
   d_1xK = jnp.arange(1, k1, dtype=jnp.int32)[None]
   src_BxK, dst_BxK = start_B[:, None] + path_BxK1[:, 1:], start_B[:, None] + d_1xK
   valid_BxK = d_1xK <= num_accepted_B[:, None]
-  return state.set(kv=tuple(move_rows(c, src_BxK, dst_BxK, valid_BxK) for c in state.kv))
+  return state.set(caches=state.caches.move_rows(src_BxK, dst_BxK, valid_BxK))
 
 
 def reset_target_slots(state: TargetState, mask_B) -> TargetState:
   """Empties the slots where mask_B (bool[B]) is True; paged, their pages go back to the pool."""
-  return state.set(length=jnp.where(mask_B, 0, state.length),
-                   pages=None if state.pages is None else state.pages.reset(mask_B))
+  return state.set(length=jnp.where(mask_B, 0, state.length), caches=state.caches.reset(mask_B))
 
 
 def init_target(cfg: TargetConfig, seed: int = 0) -> TargetModel:

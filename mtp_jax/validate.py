@@ -10,6 +10,7 @@ never accepted where an int is expected, nor bools where a number is.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 
@@ -125,6 +126,22 @@ def float_dtype(name: str, value) -> jnp.dtype:
 def is_concrete(*xs) -> bool:
   """True when no leaf is a tracer, i.e. values can be checked on the host now."""
   return not any(isinstance(x, jax.core.Tracer) for x in jax.tree_util.tree_leaves(xs))
+
+
+def jit_when_concrete(**jit_kwargs):
+  """Decorator: the function runs jitted (`jax.jit(fn, **jit_kwargs)`, one compile per static
+  arguments) when every array argument is concrete, as from an eager caller (a notebook, a test,
+  a host loop), instead of dispatching op by op; inside a caller's trace it runs as itself (the
+  caller's jit compiles it). The jitted form is the wrapper's `.jitted`."""
+  def wrap(fn):
+    jitted = jax.jit(fn, **jit_kwargs)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+      return (jitted if is_concrete(args, kwargs) else fn)(*args, **kwargs)
+    call.jitted = jitted
+    return call
+  return wrap
 
 
 def _shape_text(shape) -> str:

@@ -260,8 +260,8 @@ def test_per_position_masks_matter():
   drafts, _ = mtp_jax.propose(PROPOSER, state, hiddens, tokens, num_new, num_drafts=K, grammar=g,
                               grammar_state=start)
   np.testing.assert_array_equal(drafts, [[0, 1, 0]] * 2)
-  seed_drafts, _ = prop._propose_jit(PROPOSER, state, jnp.asarray(hiddens), jnp.asarray(tokens), num_new, K,
-                                     None, 0.0, None, None, g, start, False, False)
+  seed_drafts, _ = prop.propose_step(PROPOSER, state, jnp.asarray(hiddens), jnp.asarray(tokens), num_new,
+                                     prop.ProposeSettings(K, grammar_per_position=False), None, g, start)
   np.testing.assert_array_equal(seed_drafts, [[0, 0, 0]] * 2)
   with pytest.raises(AssertionError):
     _walk(g, grammar.START, np.asarray(seed_drafts)[0])

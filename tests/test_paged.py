@@ -7,8 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import mtp_jax
-from mtp_jax.blocks.attention import attention_probs
-from mtp_jax.blocks.masks import causal_mask, readable_rows
+from mtp_jax.blocks.masks import attention_probs, causal_mask, readable_rows
 from mtp_jax.blocks.paged import Pages, PagedKVCache, budget_bucket
 
 from test_generate import PROMPTS5, PROPOSER5, TARGET5
@@ -141,7 +140,7 @@ def test_attend_over_the_pages_in_use_equals_the_dense_view(window, sinks):
   want = jnp.einsum("bkgts,bskd->btkgd", probs, readable_rows(v_view, rows, valid, key_rows))
   for budget in (5, 8):
     written = cache.bound(pages.with_budget(budget)).write(rows, valid, kv[0], kv[1])
-    got = np.asarray(written.attend(q, rows, valid, window=window, sinks_KxG=sinks_KxG))
+    got = np.asarray(written.attend_pages(q, rows, valid, window=window, sinks_KxG=sinks_KxG))
     ok = valid[:, :, None, None, None]  # invalid queries' outputs are never used
     np.testing.assert_allclose(np.where(ok, got, 0), np.where(ok, np.asarray(want), 0), rtol=1e-5, atol=1e-6)
     assert np.isfinite(got).all()
@@ -184,3 +183,123 @@ class TestErrors:
       mtp_jax.init_state(CFG, 2, 48, page_size=8)
     with pytest.raises(ValueError, match="num_pages=4 needs page_size"):
       mtp_jax.generate(TARGET5, PROPOSER5, PROMPTS5, 4, num_pages=4)
+
+
+class HostPages:
+  """The test's own allocator, as a serving loop that owns its memory keeps one: a host free list
+  handed out in shuffled order, a table int32[B, max_pages] with -1 where a slot holds no page."""
+
+  def __init__(self, batch_size, num_pages, seed):
+    self.free = list(np.random.default_rng(seed).permutation(num_pages))
+    self.table = np.full((batch_size, MAX_LEN // PAGE), -1, np.int32)
+
+  def cover(self, slot, num_rows):
+    for p in range(-(-num_rows // PAGE)):
+      if self.table[slot, p] < 0:
+        self.table[slot, p] = self.free.pop()
+
+  def free_slot(self, slot):
+    self.free += [int(p) for p in self.table[slot] if p >= 0]
+    self.table[slot] = -1
+
+
+class ExternalSim(Sim):
+  """Sim whose proposer reads and writes through HostPages' table, covered before every call."""
+
+  def __init__(self, prompt_lens, seed, num_pages):
+    super().__init__(prompt_lens, seed)
+    self.host = HostPages(self.b, num_pages, seed)
+    self.state = mtp_jax.init_state(CFG, self.b, MAX_LEN, pages=Pages.external(self.host.table, PAGE, num_pages))
+
+  def call(self, h, t, n, k, catch_up=True):
+    for b in range(self.b):
+      self.host.cover(b, int(self.state.num_pos[b]) + int(n[b]))
+    self.state = self.state.with_page_table(self.host.table)
+    return super().call(h, t, n, k, catch_up)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_external_page_table_drafts_equal_the_internal_allocator(data):
+  """A table the caller allocates (shuffled page ids, -1 for no page) gives the internal
+  allocator's drafts over random accept histories, and after a slot is reset and refilled."""
+  prompt_lens = data.draw(st.lists(st.integers(1, 12), min_size=3, max_size=3), label="prompts")
+  seed = data.draw(st.integers(0, 2**16), label="seed")
+  num_pages = 3 * MAX_LEN // PAGE
+  inner, outer = _paged_sim(prompt_lens, seed, num_pages), ExternalSim(prompt_lens, seed, num_pages)
+  k = data.draw(st.integers(1, K), label="k0")
+  d_inner, d_outer = inner.first_call(k), outer.first_call(k)
+  for _ in range(data.draw(st.integers(1, 4), label="steps")):
+    np.testing.assert_array_equal(d_outer, d_inner)
+    accepted = [data.draw(st.integers(0, k), label="a") for _ in range(inner.b)]
+    if max(len(t) for t in inner.toks) + k + 1 >= MAX_LEN:
+      break
+    h, t, n = inner.verify(d_inner, accepted)
+    outer.verify(d_outer, accepted)
+    k = data.draw(st.integers(1, K), label="k")
+    d_inner, d_outer = inner.call(h, t, n, k), outer.call(h, t, n, k)
+  np.testing.assert_array_equal(d_outer, d_inner)
+  assert not np.asarray(outer.state.out_of_pages).any()
+  # Slot 1 restarts with a new prompt: the caller frees its pages and covers the new rows anew.
+  slot = np.array([False, True, False])
+  inner.state = mtp_jax.reset_slots(inner.state, slot)
+  outer.host.free_slot(1)
+  outer.state = mtp_jax.reset_slots(outer.state, slot)
+  rng = np.random.default_rng(seed)
+  hp, tp = np.zeros((3, 12, CFG.hidden_size), np.float32), np.zeros((3, 12), np.int32)
+  hp[1], tp[1] = rng.normal(size=(12, CFG.hidden_size)), rng.integers(0, CFG.vocab_size, 12)
+  n = np.array([0, 12, 0], np.int32)
+  np.testing.assert_array_equal(outer.call(hp, tp, n, K)[1], inner.call(hp, tp, n, K)[1])
+
+
+def test_external_table_that_misses_a_page_flags_only_that_slot():
+  host = HostPages(2, 8, seed=0)
+  host.cover(0, 12)
+  host.cover(1, 8)  # slot 1 will write rows 0..11 but holds one page of 8 rows
+  state = mtp_jax.init_state(CFG, 2, MAX_LEN, pages=Pages.external(host.table, PAGE, 8))
+  rng = np.random.default_rng(1)
+  h, t = rng.normal(size=(2, 12, CFG.hidden_size)).astype(np.float32), rng.integers(0, CFG.vocab_size, (2, 12))
+  drafts, state = mtp_jax.propose(MODEL, state, h, t, np.array([12, 12], np.int32), num_drafts=K)
+  np.testing.assert_array_equal(np.asarray(state.out_of_pages), [False, True])
+  want, _ = mtp_jax.propose(MODEL, mtp_jax.init_state(CFG, 2, MAX_LEN), h, t, np.array([12, 12], np.int32),
+                            num_drafts=K)
+  np.testing.assert_array_equal(np.asarray(drafts)[0], np.asarray(want)[0])
+  with pytest.raises(ValueError, match=r"table must be int32\[B=2, max_pages=6\]"):
+    state.with_page_table(np.zeros((2, 5), np.int32))
+  with pytest.raises(ValueError, match="only an external one"):
+    mtp_jax.init_state(CFG, 2, MAX_LEN, page_size=PAGE, num_pages=8).with_page_table(host.table)
+
+
+MLA_CFG = mtp_jax.MtpConfig(**{**CFG.__dict__, "num_kv_heads": 4, "rope_interleave": True, "mla": mtp_jax.MlaConfig(
+    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=12)})
+MLA_MODEL = mtp_jax.init_mtp(MLA_CFG, seed=2)
+
+
+def test_paged_mla_drafts_equal_contiguous():
+  """MLA's latent cache in pages (PagedMlaCache): the same drafts over a history with every
+  accept pattern, with pages few enough that slots reuse each other's."""
+  flat, paged = Sim([5, 1, 12], seed=7, model=MLA_MODEL), Sim([5, 1, 12], seed=7, model=MLA_MODEL)
+  paged.state = mtp_jax.init_state(MLA_CFG, 3, MAX_LEN, page_size=PAGE, num_pages=3 * MAX_LEN // PAGE)
+  assert isinstance(paged.state.kv[0], mtp_jax.blocks.PagedMlaCache)
+  d_flat, d_paged = flat.first_call(K), paged.first_call(K)
+  for acc in [[0, 0, 0], [3, 3, 3], [0, 3, 1], [2, 0, 3]]:
+    np.testing.assert_array_equal(d_paged, d_flat)
+    h, t, n = flat.verify(d_flat, acc)
+    paged.verify(d_paged, acc)
+    d_flat, d_paged = flat.call(h, t, n, K), paged.call(h, t, n, K)
+  np.testing.assert_array_equal(d_paged, d_flat)
+  paged.check(d_paged, K)
+
+
+def test_external_pages_errors():
+  table = np.zeros((2, MAX_LEN // PAGE), np.int32)
+  with pytest.raises(ValueError, match=r"pages' table is int32\[3, 6\], expected \[B=2") as e:
+    mtp_jax.init_state(CFG, 2, MAX_LEN, pages=Pages.external(np.zeros((3, 6), np.int32), PAGE, 8))
+  assert e.value.argument == "pages"
+  with pytest.raises(ValueError, match="pass those only without it"):
+    mtp_jax.init_target_state(TARGET5.cfg, 2, MAX_LEN, page_size=PAGE, pages=Pages.external(table, PAGE, 8))
+  with pytest.raises(TypeError, match="table must be int32") as e:
+    Pages.external(table.astype(np.float32), PAGE, 8)
+  assert e.value.argument == "table"
+  with pytest.raises(ValueError, match="only caches made with pages=Pages.external"):
+    mtp_jax.init_state(CFG, 2, MAX_LEN).with_page_table(table)

@@ -102,6 +102,18 @@ def test_sharded_mla_drafts_equal_single_device():
   assert run["latent_by_batch_only"]
 
 
+@pytest.mark.slow
+def test_sharded_paged_propose_and_target_step_equal_single_device():
+  run = _child("paged")
+  assert run["single"] == run["sharded"]
+  assert run["mla_single"] == run["mla_sharded"]
+  assert run["target_equal"]
+  # Pools split by KV heads on "model" (never by batch: any slot may hold any page); the
+  # allocator replicated; MLA's latent pools replicated.
+  assert run["pool_spec"] == [None, None, "model", None]
+  assert run["table_spec"] == [] and run["mla_pool_spec"] == [None, None, None]
+
+
 def test_errors():
   with pytest.raises(ValueError, match=r"data \* model must equal the number of devices"):
     sharding.make_mesh(2, jax.device_count())
@@ -226,6 +238,43 @@ def _mla_child() -> dict:
                                       for x in (out.kv[0].latent, out.kv[0].k_rope))}
 
 
+def _paged_child() -> dict:
+  sys.path.insert(0, str(ROOT / "examples"))
+  from distributed_loopback import MAX_LEN, drive
+
+  common = dict(vocab_size=48, hidden_size=32, num_heads=4, head_dim=8, intermediate_size=64)
+  mla = mtp_jax.MlaConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, q_lora_rank=12)
+  mesh = sharding.make_mesh(2, 2)
+  place, settle = (lambda x: sharding.shard_batch(x, mesh)), (lambda s: sharding.shard_state(s, mesh))
+  result = {}
+  for name, cfg in (("", mtp_jax.MtpConfig(num_kv_heads=2, num_modules=K, **common)),
+                    ("mla_", mtp_jax.MtpConfig(num_kv_heads=4, num_modules=K, mla=mla, rope_interleave=True,
+                                               **common))):
+    params = mtp_jax.init_mtp(cfg, seed=5)
+    paged = lambda: mtp_jax.init_state(cfg, B, MAX_LEN, page_size=8, num_pages=3 * B)
+    result[name + "single"] = drive(params, paged(), np.asarray, np.asarray)[0].tolist()
+    drafts, out = drive(sharding.shard_params(params, mesh), settle(paged()), place, np.asarray, settle)
+    result[name + "sharded"] = drafts.tolist()
+    placed = settle(out)
+    result[name + "pool_spec"] = _spec(placed.kv[0].latent if cfg.mla else placed.kv[0].k)
+    result["table_spec"] = _spec(placed.pages.table)
+  tcfg = mtp_jax.TargetConfig(num_layers=2, num_kv_heads=2, **common)
+  target = mtp_jax.init_target(tcfg, seed=1)
+  rng = np.random.default_rng(0)
+  chunks = [(rng.integers(0, 48, (B, 6)).astype(np.int32), rng.integers(1, 7, B).astype(np.int32)) for _ in range(3)]
+  logits = []
+  for model, state, put in ((target, mtp_jax.init_target_state(tcfg, B, 32, page_size=4, num_pages=4 * B), np.asarray),
+                            (sharding.shard_params(target, mesh),
+                             settle(mtp_jax.init_target_state(tcfg, B, 32, page_size=4, num_pages=4 * B)), place)):
+    got = []
+    for toks, n in chunks:
+      out_logits, _, state = mtp_jax.target_step(model, state, put(toks), put(n))
+      got.append(np.where((np.arange(6)[None] < n[:, None])[..., None], np.asarray(out_logits), 0))
+    logits.append(got)
+  result["target_equal"] = all(np.allclose(a, b, atol=1e-5, rtol=1e-5) for a, b in zip(*logits))
+  return result
+
+
 def _generate_child() -> dict:
   common = dict(vocab_size=16, hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64)
   target = mtp_jax.init_target(mtp_jax.TargetConfig(num_layers=1, **common), 0)
@@ -239,4 +288,5 @@ def _generate_child() -> dict:
 
 
 if __name__ == "__main__":
-  print(json.dumps({"propose": _propose_child, "generate": _generate_child, "mla": _mla_child}[sys.argv[1]]()))
+  print(json.dumps({"propose": _propose_child, "generate": _generate_child, "mla": _mla_child,
+                    "paged": _paged_child}[sys.argv[1]]()))

@@ -1,24 +1,17 @@
-"""The pre-norm transformer block shared by the target and the MTP modules, and its cache."""
+"""The pre-norm transformer block shared by the target and the MTP modules."""
 
 from __future__ import annotations
 
 from flax import nnx
 
-from mtp_jax.blocks.attention import Attention, TreeRows
-from mtp_jax.blocks.cache import KVCache, MlaCache
+from mtp_jax.blocks.attention import Attention
+from mtp_jax.blocks.masks import TreeRows
+from mtp_jax.blocks.cache import LayerCache
 from mtp_jax.blocks.mla import MlaAttention
 from mtp_jax.blocks.mlp import Mlp
 from mtp_jax.blocks.moe import Moe
 from mtp_jax.blocks.norms import RMSNorm
 from mtp_jax.config import BlockConfig
-
-
-def init_cache(cfg: BlockConfig, batch_size: int, max_len: int, dtype=None) -> KVCache | MlaCache:
-  """An empty cache of the kind cfg's attention uses, for batch_size sequences of max_len rows.
-
-  dtype: cache dtype (default cfg.dtype).
-  """
-  return (KVCache if cfg.mla is None else MlaCache).zeros(cfg, batch_size, max_len, dtype)
 
 
 class Block(nnx.Module):
@@ -37,7 +30,7 @@ class Block(nnx.Module):
     dense = cfg.moe is None or (layer_idx is not None and layer_idx < cfg.moe.first_k_dense_replace)
     self.mlp = Mlp(cfg, rngs=rngs) if dense else Moe(cfg, rngs=rngs)
 
-  def __call__(self, x_BxTxD, rows_BxT, valid_BxT, cache: KVCache | None, rope_offset: int = 0,
+  def __call__(self, x_BxTxD, rows_BxT, valid_BxT, cache: LayerCache | None, rope_offset: int = 0,
                tree: TreeRows | None = None):
     """Same arguments as Attention; returns (dtype[B, T, D], new cache or None)."""
     attn, cache = self.self_attn(self.input_layernorm(x_BxTxD), rows_BxT, valid_BxT, cache, rope_offset, tree)

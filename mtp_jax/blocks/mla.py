@@ -1,4 +1,5 @@
-"""Multi-head latent attention (DeepSeek-V2/V3, LongCat) over a latent cache (`MlaCache`).
+"""Multi-head latent attention (DeepSeek-V2/V3, LongCat) over a latent cache (`MlaCache` or its
+paged form `PagedMlaCache`, read through `LayerCache.keys`).
 
 Per row the cache holds the compressed latent c = kv_a_layernorm(.) dtype[R] (times kv_lora_scale,
 LongCat's, so prefill and decode read the same scaled latent) and one rope key
@@ -18,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.blocks import cache as cache_lib
-from mtp_jax.blocks.attention import TreeRows, attended_keys, attention_probs
+from mtp_jax.blocks.masks import TreeRows, attention_probs
 from mtp_jax.blocks.linear import Linear
 from mtp_jax.blocks.norms import RMSNorm
 from mtp_jax.blocks.rope import apply_rope, inv_frequencies, yarn_mscale
@@ -82,9 +83,8 @@ class MlaAttention(nnx.Module):
       latent_BxTxR = latent_BxTxR * jnp.asarray(m.kv_lora_scale, latent_BxTxR.dtype)
     k_rope_BxTxDr = rope(kv[..., None, m.kv_lora_rank:])[:, :, 0]
     # The latent is MLA's value too: rows no query may read come back zeroed (see readable_rows).
-    new_cache, (latent_BxSxR, k_rope_BxSxDr), mask_BxTxS = attended_keys(
-        cache, rows_BxT, valid_BxT, (latent_BxTxR, k_rope_BxTxDr), value=0, window=self.window,
-        tree=tree)
+    new_cache, (latent_BxSxR, k_rope_BxSxDr), mask_BxTxS = cache_lib.or_none(cache).keys(
+        rows_BxT, valid_BxT, (latent_BxTxR, k_rope_BxTxDr), value=0, window=self.window, tree=tree)
     w_HxDnvxR = self.kv_b_proj.weight[...].reshape(h, -1, m.kv_lora_rank)
     w_uk_HxDnxR, w_uv_HxDvxR = w_HxDnvxR[:, :m.qk_nope_head_dim], w_HxDnvxR[:, m.qk_nope_head_dim:]
     f32 = dict(preferred_element_type=jnp.float32)

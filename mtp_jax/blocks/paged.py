@@ -1,25 +1,28 @@
-"""Paged KV caches: a pool of fixed-size pages per layer, one page table, an on-device allocator.
+"""Paged caches: a pool of fixed-size pages per layer, one page table, an on-device allocator.
 
 Row j of sequence b lives in page `table[b, j // page_size]` at offset `j % page_size`, so rows
 stay position-addressed (as in cache.py) and the causal mask still excludes stale rows. Every
-layer of a model (every MTP module, every target layer) has its own pool
-k, v dtype[num_pages, page_size, Hkv, Dh], and all of them share one table int32[B, max_pages]:
-page id p is taken in every pool at once. The table lives once, in `Pages`; a model binds it
-to its caches for a call (`bind`) and drops it after (`unbind`), so a state holds one copy
-and donating the state never donates a buffer twice.
+layer of a model (every MTP module, every target layer) has its own pools: GQA k, v
+dtype[num_pages, page_size, Hkv, Dh] (`PagedKVCache`) or MLA's latent dtype[num_pages, page_size, R]
+and rope key dtype[num_pages, page_size, Dr] (`PagedMlaCache`); all of them share one table
+int32[B, max_pages]: page id p is taken in every pool at once. The table lives once, in
+`Pages`; a model's `LayerCaches` (caches.py) binds it to its caches for a call and drops it
+after, so a state holds one copy and donating the state never donates a buffer twice.
 
 `Pages` is the allocator: the table, the pages each slot holds and a stack of free page ids,
 all device arrays, so `ensure` / `release` / `reset` are pure jittable functions (no host round
 trip). A slot that cannot get the pages it asks for gets none of them and is flagged in
 `Pages.oom`; its writes beyond its pages are dropped (sent to the out-of-range page id
-`num_pages`), never wrapped into another slot's pages.
+`num_pages`), never wrapped into another slot's pages. `Pages.external` is the table of a
+serving loop that allocates pages itself: `ensure` only checks that the table covers the rows
+and flags the slots it does not, `release` / `reset` leave the table to its owner.
 
-Attention reads only the pages in use (`PagedKVCache.attend`): the held pages of all slots,
+GQA attention reads only the pages in use (`PagedKVCache.attend`): the held pages of all slots,
 flattened into one list of `budget` pages with their owner slot, each scored against its
 owner's queries, with the softmax taken across one owner's pages by segment max / sum. The
 budget is static (one compile per value): the host picks it with `budget_bucket` from the
 pages the next call can hold (`Pages.pages_after`), so the rows read per step follow the rows
-in use, not B x max_len.
+in use, not B x max_len. MLA and draft-tree calls read the table's dense view (`update`).
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from mtp_jax import validate
-from mtp_jax.blocks.cache import NO_ROW
-from mtp_jax.blocks.masks import causal_mask, readable_rows
+from mtp_jax.blocks.cache import NO_ROW, LayerCache
+from mtp_jax.blocks.masks import TreeRows, causal_mask, readable_rows
 from mtp_jax.config import BlockConfig
 
 
@@ -46,14 +49,6 @@ def check_paging(max_len: int, page_size: int, num_pages: int) -> int:
     raise validate.InvalidValue("num_pages", f"num_pages={num_pages} is too small for one sequence: "
                                 f"max_len={max_len} needs max_len // page_size = {max_pages} pages")
   return max_pages
-
-
-def allocator(batch_size: int, max_len: int, page_size: int | None, num_pages: int | None):
-  """The `Pages` for page_size / num_pages (both or neither), or None for contiguous caches."""
-  if (page_size is None) != (num_pages is None):
-    raise validate.InvalidValue("page_size", "page_size and num_pages must be given together, got "
-                                f"page_size={page_size!r}, num_pages={num_pages!r}")
-  return None if page_size is None else Pages.create(batch_size, max_len, page_size, num_pages)
 
 
 def _exclusive_cumsum(x_B):
@@ -85,6 +80,8 @@ class Pages:
   budget: static int, the pages attention reads per call (see `attend`); it must be at least
     the pages held during the call: num_pages (the default) always is; the serving loops pick
     a smaller one per call (`with_budget`, `pages_after`, `budget_bucket`).
+  is_external: static bool, the table belongs to the caller (`Pages.external`): nothing is allocated
+    or freed here, `used` is the pages the last `ensure` found covering the slot's rows.
   """
 
   table: jax.Array
@@ -94,6 +91,7 @@ class Pages:
   oom: jax.Array
   page_size: int = dataclasses.field(metadata=dict(static=True))
   budget: int = dataclasses.field(metadata=dict(static=True))
+  is_external: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
   @classmethod
   def create(cls, batch_size: int, max_len: int, page_size: int, num_pages: int) -> "Pages":
@@ -105,40 +103,80 @@ class Pages:
                num_free=jnp.asarray(num_pages, jnp.int32), oom=jnp.zeros((batch_size,), bool),
                page_size=page_size, budget=num_pages)
 
+  @classmethod
+  def external(cls, table, page_size: int, num_pages: int) -> "Pages":
+    """The pages of a serving loop that allocates them itself.
+
+    table: int32[B, max_pages], the caller's page ids (0..num_pages-1 in pools of num_pages pages
+    of page_size rows; any other value: no page), slot b's rows p * page_size.. in page
+    table[b, p]. Calls read and write through it; `ensure` flags in `oom` (and gives no page to)
+    a slot whose rows the table does not cover; `release` and `reset` leave it as it is. Hand
+    a new table in between calls with `with_table` (or the states' `with_page_table`).
+    """
+    page_size = validate.positive_int("page_size", page_size)
+    num_pages = validate.positive_int("num_pages", num_pages)
+    table = validate.array("table", table, (None, None), kind="int", dims="[B, max_pages]")
+    b = table.shape[0]
+    return cls(table=jnp.asarray(table).astype(jnp.int32), used=jnp.zeros((b,), jnp.int32),
+               free=jnp.full((num_pages,), num_pages, jnp.int32), num_free=jnp.zeros((), jnp.int32),
+               oom=jnp.zeros((b,), bool), page_size=page_size, budget=num_pages, is_external=True)
+
   @property
   def num_pages(self) -> int:
     return self.free.shape[0]
+
+  @property
+  def max_len(self) -> int:
+    return self.table.shape[1] * self.page_size
 
   def with_budget(self, budget: int) -> "Pages":
     """The same allocator whose calls read `budget` pages (1..num_pages; a new static value compiles anew)."""
     return dataclasses.replace(self, budget=validate.integer("budget", budget, 1, self.num_pages))
 
+  def with_table(self, table) -> "Pages":
+    """An external allocator with the caller's new table int32[B, max_pages] (same shape)."""
+    if not self.is_external:
+      raise validate.InvalidValue("table", "this allocator owns its page table (Pages.create); only an external "
+                                  "one (Pages.external) takes a table from its caller")
+    table = validate.array("table", table, self.table.shape, kind="int",
+                           dims=f"[B={self.table.shape[0]}, max_pages={self.table.shape[1]}]")
+    return dataclasses.replace(self, table=jnp.asarray(table).astype(jnp.int32))
+
+  def _pages_for(self, num_rows_B):
+    return jnp.minimum(-(-num_rows_B // self.page_size), self.table.shape[1])
+
   def pages_after(self, num_rows_B) -> jax.Array:
     """int32[]: pages held in all once each slot holds rows 0..num_rows_B[b]-1 (int32[B]), never
     fewer than it holds now nor more than the pool: an upper bound on the pages a call that
     writes those rows holds (slots refused pages hold fewer)."""
-    want_B = jnp.minimum(-(-num_rows_B // self.page_size), self.table.shape[1])
-    return jnp.minimum(jnp.sum(jnp.maximum(want_B, self.used)), self.num_pages)
+    return jnp.minimum(jnp.sum(jnp.maximum(self._pages_for(num_rows_B), self.used)), self.num_pages)
 
   def ensure(self, num_rows_B) -> "Pages":
     """Gives each slot the pages for rows 0..num_rows_B[b]-1 (int32[B]).
 
     Slots are served in order while pages last and the pages held stay within the budget (the
     calls read only `budget` pages); a slot that does not fit gets nothing and is flagged in oom
-    (the ones after it may still fit).
+    (the ones after it may still fit). External: a slot is served when the caller's table
+    covers its rows (and the budget holds them); it then reads exactly those pages.
     """
-    ps, max_pages = self.page_size, self.table.shape[1]
-    want_B = jnp.minimum(-(-num_rows_B // ps), max_pages)
-    need_B = jnp.maximum(want_B - self.used, 0)
+    max_pages = self.table.shape[1]
+    want_B = self._pages_for(num_rows_B)
     # Greedy in slot order: slot b is served if everything asked before it that was served,
     # plus its own need, fits. A scan keeps "served before" exact (a cumsum would count refused slots).
     def serve(left, need):
       ok = need <= left
       return left - jnp.where(ok, need, 0), ok
+    p_BxP = jnp.arange(max_pages, dtype=jnp.int32)[None]
+    if self.is_external:
+      held_BxP = (self.table >= 0) & (self.table < self.num_pages)
+      covered_B = jnp.all(held_BxP | (p_BxP >= want_B[:, None]), axis=1)
+      _, fits_B = jax.lax.scan(serve, jnp.asarray(self.budget, jnp.int32), jnp.where(covered_B, want_B, 0))
+      ok_B = covered_B & fits_B
+      return dataclasses.replace(self, used=jnp.where(ok_B, want_B, 0), oom=self.oom | ~ok_B)
+    need_B = jnp.maximum(want_B - self.used, 0)
     room = jnp.minimum(self.num_free, self.budget - jnp.sum(self.used))
     _, ok_B = jax.lax.scan(serve, room, need_B)
     got_B = jnp.where(ok_B, need_B, 0)
-    p_BxP = jnp.arange(max_pages, dtype=jnp.int32)[None]
     new_BxP = (p_BxP >= self.used[:, None]) & (p_BxP < (self.used + got_B)[:, None])
     k_BxP = _exclusive_cumsum(got_B)[:, None] + p_BxP - self.used[:, None]  # k-th page popped
     popped_BxP = self.free[jnp.clip(self.num_free - 1 - k_BxP, 0, self.num_pages - 1)]
@@ -146,9 +184,12 @@ class Pages:
                                num_free=self.num_free - jnp.sum(got_B), oom=self.oom | ~ok_B)
 
   def release(self, num_rows_B) -> "Pages":
-    """Keeps the pages for rows 0..num_rows_B[b]-1 (int32[B]) and returns the slot's others to the pool."""
-    ps, max_pages = self.page_size, self.table.shape[1]
-    keep_B = jnp.minimum(jnp.minimum(-(-num_rows_B // ps), max_pages), self.used)
+    """Keeps the pages for rows 0..num_rows_B[b]-1 (int32[B]) and returns the slot's others to the
+    pool (external: the table is the caller's; only the pages read shrink)."""
+    keep_B = jnp.minimum(self._pages_for(num_rows_B), self.used)
+    if self.is_external:
+      return dataclasses.replace(self, used=keep_B)
+    max_pages = self.table.shape[1]
     give_B = self.used - keep_B
     p_BxP = jnp.arange(max_pages, dtype=jnp.int32)[None]
     back_BxP = (p_BxP >= keep_B[:, None]) & (p_BxP < self.used[:, None])
@@ -162,13 +203,95 @@ class Pages:
     freed = self.release(jnp.where(mask_B, 0, self.used * self.page_size))
     return dataclasses.replace(freed, oom=self.oom & ~mask_B)
 
+  def partition_specs(self) -> "Pages":
+    """PartitionSpecs: every array replicated (each device addresses every slot's pages)."""
+    return jax.tree.map(lambda _: P(), self)
+
+
+class PagedRows(LayerCache):
+  """What the paged caches share (a mixin): their pools, named in POOLS, each
+  dtype[num_pages, page_size, ...], and while bound for a call (`bound`), the model's page table
+  int32[B, max_pages] (`table`), pages held int32[B] (`used`) and page budget (None in a stored state)."""
+
+  POOLS = ()
+
+  def pools(self) -> tuple:
+    return tuple(getattr(self, n) for n in self.POOLS)
+
+  def with_pools(self, pools):
+    return dataclasses.replace(self, **dict(zip(self.POOLS, pools)))
+
+  @property
+  def num_pages(self) -> int:
+    return self.pools()[0].shape[0]
+
+  @property
+  def page_size(self) -> int:
+    return self.pools()[0].shape[1]
+
+  @property
+  def max_len(self) -> int:
+    return self.max_pages * self.page_size
+
+  def bound(self, pages: Pages | None):
+    """This cache with pages' table, held pages and budget for a call (None: stored, unbound)."""
+    if pages is None:
+      return dataclasses.replace(self, table=None, used=None, budget=None)
+    return dataclasses.replace(self, table=pages.table, used=pages.used, budget=pages.budget)
+
+  def _addresses(self, rows_BxT, valid_BxT):
+    """(page int32[B, T], offset int32[B, T]) of each row; page num_pages (dropped) where invalid
+    or where the table holds no page."""
+    if self.table is None:
+      raise ValueError(f"a {type(self).__name__} needs its page table: bind it first (LayerCaches.open)")
+    num_pages, ps = self.num_pages, self.page_size
+    p_BxT = rows_BxT // ps
+    in_table_BxT = valid_BxT & (rows_BxT >= 0) & (p_BxT < self.table.shape[1])
+    page_BxT = jnp.take_along_axis(self.table, jnp.clip(p_BxT, 0, self.table.shape[1] - 1), axis=1)
+    page_BxT = jnp.where(in_table_BxT & (page_BxT >= 0) & (page_BxT < num_pages), page_BxT, num_pages)
+    return page_BxT, rows_BxT % ps
+
+  def write(self, rows_BxT, valid_BxT, *entries):
+    """Writes each entry dtype[B, T, ...] at its rows' pages (dropped where the slot holds no page)."""
+    page_BxT, off_BxT = self._addresses(rows_BxT, valid_BxT)
+    return self.with_pools(pool.at[page_BxT, off_BxT].set(x.astype(pool.dtype), mode="drop")
+                           for pool, x in zip(self.pools(), entries))
+
+  def update(self, rows_BxT, valid_BxT, *entries):
+    """The cache contract of cache.py: `write`, then every column of the table as a dense view.
+
+    Returns (new cache, one dtype[B, L, ...] view per pool, gathered through the table,
+    int32[B, L]): keys of pages the slot does not hold carry NO_ROW. Reads B x max_len rows
+    (GQA sequence calls use `PagedKVCache.attend`, which reads only the pages in use).
+    """
+    new = self.write(rows_BxT, valid_BxT, *entries)
+    b, max_pages = self.table.shape
+    held_BxP = (self.table >= 0) & (self.table < self.num_pages)
+    gather = lambda pool: jnp.take(pool, jnp.where(held_BxP, self.table, 0), axis=0).reshape(
+        b, max_pages * self.page_size, *pool.shape[2:])
+    rows_BxL = jnp.broadcast_to(jnp.arange(self.max_len, dtype=jnp.int32), (b, self.max_len))
+    held_BxL = jnp.repeat(held_BxP, self.page_size, axis=1)
+    return new, tuple(gather(pool) for pool in new.pools()), jnp.where(held_BxL, rows_BxL, NO_ROW)
+
+  def move_rows(self, src_BxA, dst_BxA, valid_BxA):
+    """This cache with row src_BxA[b, a] copied to row dst_BxA[b, a] (int32[B, A]) where valid_BxA,
+    both through the bound table; every source is read before anything is written."""
+    src_page, src_off = self._addresses(src_BxA, valid_BxA)
+    dst_page, dst_off = self._addresses(dst_BxA, valid_BxA)
+    src_page = jnp.minimum(src_page, self.num_pages - 1)  # invalid moves read a page, write nothing
+    return self.with_pools(pool.at[dst_page, dst_off].set(pool[src_page, src_off], mode="drop")
+                           for pool in self.pools())
+
+  def grown(self, max_len: int):
+    raise ValueError(f"only contiguous caches grow (paged ones are sized by their pool), got {type(self).__name__}")
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PagedKVCache:
-  """One GQA layer's paged cache: pools k, v dtype[num_pages, page_size, Hkv, Dh], and while
-  bound for a call (`bind`), its model's page table int32[B, max_pages], pages held int32[B]
-  and page budget (None in a stored state)."""
+class PagedKVCache(PagedRows):
+  """One GQA layer's paged cache: pools k, v dtype[num_pages, page_size, Hkv, Dh] (see PagedRows)."""
+
+  POOLS = ("k", "v")
 
   k: jax.Array
   v: jax.Array
@@ -183,77 +306,43 @@ class PagedKVCache:
     dtype = dtype or cfg.jnp_dtype
     return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), None, pages.table.shape[1])
 
-  @property
-  def page_size(self) -> int:
-    return self.k.shape[1]
-
-  @property
-  def max_len(self) -> int:
-    return self.max_pages * self.page_size
-
-  def bound(self, pages: Pages | None) -> "PagedKVCache":
-    """This cache with pages' table, held pages and budget for a call (None: stored, unbound)."""
-    if pages is None:
-      return dataclasses.replace(self, table=None, used=None, budget=None)
-    return dataclasses.replace(self, table=pages.table, used=pages.used, budget=pages.budget)
-
-  def _addresses(self, rows_BxT, valid_BxT):
-    """(page int32[B, T], offset int32[B, T]) of each row; page num_pages (dropped) where invalid."""
-    num_pages, ps = self.k.shape[0], self.page_size
-    p_BxT = rows_BxT // ps
-    in_table_BxT = valid_BxT & (rows_BxT >= 0) & (p_BxT < self.table.shape[1])
-    page_BxT = jnp.take_along_axis(self.table, jnp.clip(p_BxT, 0, self.table.shape[1] - 1), axis=1)
-    return jnp.where(in_table_BxT, page_BxT, num_pages), rows_BxT % ps
-
-  def write(self, rows_BxT, valid_BxT, k_BxTxKxDh, v_BxTxKxDh) -> "PagedKVCache":
-    """Writes k, v dtype[B, T, Hkv, Dh] at their rows' pages (dropped where the slot holds no page)."""
-    if self.table is None:
-      raise ValueError("a PagedKVCache needs its page table: bind it first (blocks.paged.bind)")
-    page_BxT, off_BxT = self._addresses(rows_BxT, valid_BxT)
-    write = lambda pool, x: pool.at[page_BxT, off_BxT].set(x.astype(pool.dtype), mode="drop")
-    return dataclasses.replace(self, k=write(self.k, k_BxTxKxDh), v=write(self.v, v_BxTxKxDh))
-
-  def update(self, rows_BxT, valid_BxT, k_BxTxKxDh, v_BxTxKxDh):
-    """The cache contract of cache.py: `write`, then every column of the table as a dense view.
-
-    Returns (new cache, (k, v dtype[B, L, Hkv, Dh]) gathered through the table, int32[B, L]):
-    keys of pages the slot does not hold carry NO_ROW. Reads B x max_len rows: `Attention`
-    uses `attend`, which reads only the pages in use; this view is the dense reference.
-    """
-    new = self.write(rows_BxT, valid_BxT, k_BxTxKxDh, v_BxTxKxDh)
-    b, max_pages = self.table.shape
-    gather = lambda pool: jnp.take(pool, self.table, axis=0, mode="clip").reshape(
-        b, max_pages * self.page_size, *pool.shape[2:])
-    rows_BxL = jnp.broadcast_to(jnp.arange(self.max_len, dtype=jnp.int32), (b, self.max_len))
-    held_BxL = jnp.repeat(self.table < self.k.shape[0], self.page_size, axis=1)
-    return new, (gather(new.k), gather(new.v)), jnp.where(held_BxL, rows_BxL, NO_ROW)
-
   def page_list(self):
     """The held pages of all slots, flattened: (owner int32[U], first row int32[U], page int32[U])
     with U = budget. Entry u is page table[owner, col] holding rows col * page_size..; entries
     past the pages in use have owner B (dropped by the segment sums) and page num_pages."""
     b, max_pages = self.table.shape
     if self.budget is None:
-      raise ValueError("a PagedKVCache needs its page table: bind it first (blocks.paged.bind)")
+      raise ValueError("a PagedKVCache needs its page table: bind it first (LayerCaches.open)")
     end_B = jnp.cumsum(self.used)
     u_U = jnp.arange(self.budget, dtype=jnp.int32)
     owner_U = jnp.searchsorted(end_B, u_U, side="right").astype(jnp.int32)  # B past the last page
     col_U = u_U - (end_B - self.used)[jnp.minimum(owner_U, b - 1)]
     page_U = self.table[jnp.minimum(owner_U, b - 1), jnp.clip(col_U, 0, max_pages - 1)]
     live_U = owner_U < b
-    return owner_U, jnp.where(live_U, col_U * self.page_size, 0), jnp.where(live_U, page_U, self.k.shape[0])
+    return owner_U, jnp.where(live_U, col_U * self.page_size, 0), jnp.where(live_U, page_U, self.num_pages)
 
-  def attend(self, q_BxTxKxGxDh, rows_BxT, valid_BxT, *, window: int | None = None,
-             sinks_KxG: jax.Array | None = None) -> jax.Array:
-    """Causal GQA attention of queries dtype[B, T, Hkv, G, Dh] over the pages in use; returns
-    float32[B, T, Hkv, G, Dh].
+  def attend(self, q_BxTxKxGxDh, k_BxTxKxDh, v_BxTxKxDh, rows_BxT, valid_BxT, *, window: int | None = None,
+             sinks_KxG: jax.Array | None = None, tree: TreeRows | None = None):
+    """`LayerCache.attend` that, for sequence calls, reads only the pages in use: writes k, v
+    dtype[B, T, Hkv, Dh]; returns (new cache, float32[B, T, Hkv, G, Dh]). Tree calls read the
+    dense view (`update`).
 
-    The same softmax as attention.py's over a slot's rows (a query at row r sees keys at rows
+    The same softmax as the dense one over a slot's rows (a query at row r sees keys at rows
     r - window < row <= r), taken across the slot's pages: max and sum per page, then per owner
     by segment max / sum. Rows no valid query may read (stale rows of held pages, padding
     entries) are selected away from v, so NaN left in them cannot leak.
     Reads `budget` pages, however long the table.
     """
+    if tree is not None:
+      return super().attend(q_BxTxKxGxDh, k_BxTxKxDh, v_BxTxKxDh, rows_BxT, valid_BxT, window=window,
+                            sinks_KxG=sinks_KxG, tree=tree)
+    new = self.write(rows_BxT, valid_BxT, k_BxTxKxDh, v_BxTxKxDh)
+    return new, new.attend_pages(q_BxTxKxGxDh, rows_BxT, valid_BxT, window=window, sinks_KxG=sinks_KxG)
+
+  def attend_pages(self, q_BxTxKxGxDh, rows_BxT, valid_BxT, *, window: int | None = None,
+                   sinks_KxG: jax.Array | None = None) -> jax.Array:
+    """Causal GQA attention of queries dtype[B, T, Hkv, G, Dh] over the pages in use (see `attend`);
+    returns float32[B, T, Hkv, G, Dh]."""
     b, t, hkv, g, dh = q_BxTxKxGxDh.shape
     owner_U, first_U, page_U = self.page_list()
     own_U = jnp.minimum(owner_U, b - 1)
@@ -289,23 +378,33 @@ class PagedKVCache:
   def partition_specs(self, batch_axis, model_axis, model_size: int) -> "PagedKVCache":
     """PartitionSpecs: pools' Hkv on model_axis when it divides by model_size; pages are shared
     by the whole batch, so no axis is on batch_axis (the table, bound per call, lives in `Pages`)."""
+    del batch_axis
     pool = P(None, None, model_axis if self.k.shape[2] % model_size == 0 else None, None)
     return PagedKVCache(pool, pool, None, self.max_pages)
 
 
-def paged_cache(cfg: BlockConfig, pages: Pages, dtype=None) -> PagedKVCache:
-  """An empty paged cache for a layer of cfg; GQA only (MLA's latent cache has no paged form yet)."""
-  if cfg.mla is not None:
-    raise validate.InvalidValue("page_size", "page_size: paged caches hold GQA k, v; MLA attention "
-                                "(cfg.mla) has no paged cache yet")
-  return PagedKVCache.zeros(cfg, pages, dtype)
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PagedMlaCache(PagedRows):
+  """One MLA layer's paged cache: pools latent dtype[num_pages, page_size, R] and k_rope
+  dtype[num_pages, page_size, Dr] (the rows of `MlaCache`, in pages; see PagedRows)."""
 
+  POOLS = ("latent", "k_rope")
 
-def bind(caches: tuple[PagedKVCache, ...], pages: Pages) -> tuple[PagedKVCache, ...]:
-  """Every cache with the allocator's current table, held pages and budget, for one model call."""
-  return tuple(c.bound(pages) for c in caches)
+  latent: jax.Array
+  k_rope: jax.Array
+  table: jax.Array | None
+  max_pages: int = dataclasses.field(metadata=dict(static=True))
+  used: jax.Array | None = None
+  budget: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
+  @classmethod
+  def zeros(cls, cfg: BlockConfig, pages: Pages, dtype=None) -> "PagedMlaCache":
+    dtype = dtype or cfg.jnp_dtype
+    pool = lambda width: jnp.zeros((pages.num_pages, pages.page_size, width), dtype)
+    return cls(pool(cfg.mla.kv_lora_rank), pool(cfg.mla.qk_rope_head_dim), None, pages.table.shape[1])
 
-def unbind(caches: tuple[PagedKVCache, ...]) -> tuple[PagedKVCache, ...]:
-  """The caches without their table again, as a state stores them."""
-  return tuple(c.bound(None) for c in caches)
+  def partition_specs(self, batch_axis, model_axis, model_size: int) -> "PagedMlaCache":
+    """PartitionSpecs: replicated (every head reads the whole latent; pages are shared by the batch)."""
+    del batch_axis, model_axis, model_size
+    return PagedMlaCache(P(None, None, None), P(None, None, None), None, self.max_pages)

@@ -195,7 +195,7 @@ def pick_verifier(settings: StepSettings) -> Verifier:
 
 @dataclasses.dataclass(frozen=True)
 class Drafter:
-  """Drafts with `propose` at the loop's fixed k (only the k drafting modules run: catch_up=False):
+  """Drafts with `propose_step` at the loop's fixed k (only the k drafting modules run: catch_up=False):
   a chain of k drafts, or the `tree`'s N nodes; with a grammar, drafts are masked as
   draft_masks says ("per_position", "first" or "none", an ablation switch)."""
 
@@ -207,10 +207,10 @@ class Drafter:
   def draft(self, proposer, grammar, pstate, hid_BxTxD, tokens_BxT, num_new_B, gstate_B, key):
     """(drafts int32[B, k] or the tree's int32[B, N], a sampled tree's float32[B, M, V] or None, new state)."""
     masked = self.draft_masks != "none" and grammar is not None
-    drafts, pstate = prop.propose(proposer, pstate, hid_BxTxD, tokens_BxT, num_new_B, self.num_drafts, key=key,
-                                  grammar=grammar if masked else None, grammar_state=gstate_B if masked else None,
-                                  catch_up=False, tree=self.tree,
-                                  grammar_per_position=self.draft_masks == "per_position", **self.sampling.kwargs())
+    settings = prop.ProposeSettings(self.num_drafts, **self.sampling.kwargs(), catch_up=False, tree=self.tree,
+                                    grammar_per_position=self.draft_masks == "per_position")
+    drafts, pstate = prop.propose_step(proposer, pstate, hid_BxTxD, tokens_BxT, num_new_B, settings, key,
+                                       grammar if masked else None, gstate_B if masked else None)
     if self.tree is None:
       return drafts, None, pstate
     return drafts.tokens, drafts.probs, pstate
