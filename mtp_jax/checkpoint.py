@@ -1,10 +1,12 @@
-"""safetensors IO: whole-dict save / load, and a lazy reader for single or sharded checkpoints."""
+"""safetensors IO: whole-dict save / load, and a lazy reader for single or sharded checkpoints that
+reads whole tensors or blocks of them."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import ml_dtypes  # noqa: F401  (registers bfloat16 with numpy, so BF16 tensors load)
 import numpy as np
@@ -34,6 +36,17 @@ def load_tensors(path) -> dict[str, np.ndarray]:
   """Every tensor of a checkpoint (file, directory or sharded index), by name, as stored."""
   with CheckpointReader(path) as reader:
     return {name: reader.get(name) for name in reader.keys()}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSource:
+  """A tensor not read yet: its shape, and read(index) -> x[index] as a numpy array (index: a tuple
+  of slices, one per dimension; None: the whole tensor). np.asarray(source) reads it whole."""
+  shape: tuple[int, ...]
+  read: Callable[[tuple[slice, ...] | None], np.ndarray]
+
+  def __array__(self, dtype=None, copy=None) -> np.ndarray:
+    return np.asarray(self.read(None), dtype)
 
 
 def _find_index_or_file(path: str) -> str:
@@ -105,16 +118,41 @@ class CheckpointReader:
       raise KeyError(f"tensor {name!r} is listed in {self.path} but missing from shard {file}")
     return file
 
-  def get(self, name: str) -> np.ndarray:
-    """The tensor with its stored shape and dtype (BF16 comes back as ml_dtypes.bfloat16)."""
+  def get(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+    """The tensor with its stored dtype (BF16 comes back as ml_dtypes.bfloat16), or with index (a
+    tuple of slices, as x[index]) only that block of it, read from the file without the rest."""
     file = self._file_of(name)
     try:
-      return self._handle(file).get_tensor(name)
+      handle = self._handle(file)
+      return handle.get_tensor(name) if index is None else handle.get_slice(name)[tuple(index)]
     except Exception as e:  # the rust reader's errors carry no type worth telling apart
       raise ValueError(f"could not read tensor {name!r} from {file}: {e}") from e
 
   def __getitem__(self, name: str) -> np.ndarray:
     return self.get(name)
+
+  def source(self, name: str) -> TensorSource:
+    """The tensor as a TensorSource reading from this reader (while it is open)."""
+    return TensorSource(self.shape(name), lambda index: self.get(name, index))
+
+  def stacked(self, names: Sequence[str]) -> TensorSource:
+    """The 2-D tensors `names` (each [out, in], one shape) transposed and stacked: [N, in, out], as
+    released MoE experts become mtp_jax's stacked experts. A block reads only the tensors it covers,
+    and of each only its [out, in] block."""
+    names = list(names)
+    rows, cols = self.shape(names[0])
+
+    def read(index):
+      chosen, i, o = index or (slice(None),) * 3
+      out = None
+      for k, name in enumerate(names[chosen]):
+        block = self.get(name, (o, i)).T
+        if out is None:  # filled in place: the host holds this block once, not a list of parts too
+          out = np.empty((len(names[chosen]),) + block.shape, block.dtype)
+        out[k] = block
+      return out
+
+    return TensorSource((len(names), cols, rows), read)
 
   def shape(self, name: str) -> tuple[int, ...]:
     """The stored shape, read from the file header without loading the tensor."""

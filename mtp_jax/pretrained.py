@@ -7,7 +7,9 @@ Targets: GQA decoders of the Llama / Qwen2 / MiMo, GLM-4.5 (dense and MoE layers
 (dense) families, and DeepSeek-V3 (MLA in every layer, dense then MoE FFNs). MTP modules: every layout of `layouts` whose blocks mtp_jax runs. The chain follows the
 family's conventions (`layouts.CONVENTIONS`); keyword arguments override them.
 Tensors are read lazily (only the ones used, never whole shards) and placed straight into the
-model, with no random initialisation first.
+model, with no random initialisation first. With mesh= each target tensor goes straight into its
+sharding (sharding.param_specs), each device's block read from the file on its own (routed
+experts: only the experts that device holds), so the host holds about one tensor at a time.
 """
 
 from __future__ import annotations
@@ -21,9 +23,10 @@ import jax.numpy as jnp
 import numpy as np
 import tokenizers
 from flax import nnx
+from jax.sharding import Mesh
 
-from mtp_jax import layouts
-from mtp_jax.checkpoint import CheckpointReader
+from mtp_jax import layouts, sharding, validate
+from mtp_jax.checkpoint import CheckpointReader, TensorSource
 from mtp_jax.config import MtpConfig, TargetConfig
 from mtp_jax.mtp import MtpModel, canonical_name, param_names
 from mtp_jax.target import TargetModel, _hf_name
@@ -57,10 +60,18 @@ def target_config_from_hf(config: Mapping, *, dtype=None) -> TargetConfig:
                       num_layers=config["num_hidden_layers"], dtype=_dtype(config, dtype))
 
 
-def _build(ctor, canonical, tensors: Mapping, what: str):
-  """ctor() as an abstract model, its params filled from tensors (canonical name -> array), each
-  cast to the dtype the model gives that param (routers stay float32 in a bf16 model)."""
+def _mesh(mesh):
+  if mesh is not None:
+    validate.instance("mesh", mesh, Mesh, "a jax.sharding.Mesh (see sharding.make_mesh)")
+  return mesh
+
+
+def _build(ctor, canonical, tensors: Mapping, what: str, mesh: Mesh | None = None):
+  """ctor() as an abstract model, its params filled from tensors (canonical name -> array or
+  TensorSource), each cast to the dtype the model gives that param (routers stay float32 in a bf16
+  model); with mesh, each placed block by block into its sharding.param_specs sharding."""
   abstract = nnx.eval_shape(ctor)
+  specs = None if mesh is None else dict(nnx.to_flat_state(nnx.state(sharding.param_specs(abstract, mesh))))
   graphdef, state = nnx.split(abstract)
   flat = []
   for path, var in nnx.to_flat_state(state):
@@ -70,7 +81,12 @@ def _build(ctor, canonical, tensors: Mapping, what: str):
     value = tensors[name]
     if tuple(value.shape) != tuple(var.shape):
       raise ValueError(f"{what}: tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(var.shape)}")
-    flat.append((path, var.replace(jnp.asarray(value, var.dtype))))
+    if mesh is None:
+      placed = jnp.asarray(np.asarray(value), var.dtype)
+    else:
+      read = value.read if isinstance(value, TensorSource) else (lambda index, v=value: np.asarray(v)[index])
+      placed = sharding.place_blocks(read, var.shape, var.dtype, specs[path].get_value(), mesh)
+    flat.append((path, var.replace(placed)))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
@@ -96,31 +112,36 @@ def _target_tensors(reader: CheckpointReader, config: Mapping, cfg: TargetConfig
     if source not in names:
       hint = " (config.json: tie_word_embeddings is false)" if name == "lm_head.weight" else ""
       raise KeyError(f"{reader.path}: missing target tensor {source!r}{hint}")
-    out[name] = reader.get(source)
+    out[name] = reader.source(source)
   return out
 
 
-def _stack_experts(reader, names, prefix: str, proj: str, num_experts: int) -> np.ndarray:
-  """Released experts (one torch [out, in] tensor each) -> mtp_jax's stacked [E, in, out]."""
+def _stack_experts(reader, names, prefix: str, proj: str, num_experts: int) -> TensorSource:
+  """Released experts (one torch [out, in] tensor each) -> mtp_jax's stacked [E, in, out]; a block
+  of it reads only its experts, and of each only its [out, in] block."""
   parts = [f"{prefix}.{e}.{proj}.weight" for e in range(num_experts)]
   missing = [p for p in parts if p not in names]
   if missing:
     raise KeyError(f"{reader.path}: missing expert tensor {missing[0]!r} (config.json has "
                    f"n_routed_experts={num_experts})")
-  return np.stack([reader.get(p).T for p in parts])
+  return reader.stacked(parts)
 
 
-def load_target(path, *, dtype=None) -> TargetModel:
+def load_target(path, *, dtype=None, mesh: Mesh | None = None) -> TargetModel:
   """The target model of a released directory (see `from_pretrained`)."""
+  mesh = _mesh(mesh)
   config = read_config(path)
   cfg = target_config_from_hf(config, dtype=dtype)
   with CheckpointReader(path) as reader:
     tensors = _target_tensors(reader, config, cfg)
-    return _build(lambda: TargetModel(cfg, rngs=nnx.Rngs(0)), _hf_name, tensors, f"{path}")
+    return _build(lambda: TargetModel(cfg, rngs=nnx.Rngs(0)), _hf_name, tensors, f"{path}", mesh)
 
 
-def load_mtp(path, *, dtype=None, max_depth: int | None = None, **conventions) -> MtpModel:
-  """The MTP modules of a released directory; conventions override the family's (MtpConfig fields)."""
+def load_mtp(path, *, dtype=None, max_depth: int | None = None, mesh: Mesh | None = None,
+             **conventions) -> MtpModel:
+  """The MTP modules of a released directory; conventions override the family's (MtpConfig fields).
+  With mesh, placed into sharding.param_specs' shardings."""
+  mesh = _mesh(mesh)
   config = read_config(path)
   bad = sorted(set(conventions) - set(layouts.CONVENTION_FIELDS))
   if bad:
@@ -133,20 +154,23 @@ def load_mtp(path, *, dtype=None, max_depth: int | None = None, **conventions) -
     first_layer = config.get("num_hidden_layers") if layout == "deepseek" else None
     tensors = layouts.to_canonical(reader, layout, cfg, first_layer=first_layer,
                                    tied=bool(config.get("tie_word_embeddings", False)))
-  return _build(lambda: MtpModel(cfg, rngs=nnx.Rngs(0)), canonical_name, tensors, f"{path}")
+  return _build(lambda: MtpModel(cfg, rngs=nnx.Rngs(0)), canonical_name, tensors, f"{path}", mesh)
 
 
-def from_pretrained(path, *, dtype=None, max_depth: int | None = None,
+def from_pretrained(path, *, dtype=None, max_depth: int | None = None, mesh: Mesh | None = None,
                     **conventions) -> tuple[TargetModel, MtpModel, dict]:
   """(target, proposer, config.json dict) from a released model directory.
 
   dtype: weights / activations dtype (default the checkpoint's: bf16 stays bf16).
   max_depth: drafts a propose may make (default the module count; depths past it reuse modules).
+  mesh: a sharding.make_mesh mesh; every param is read straight into its sharding.param_specs
+    sharding (one block per device), not first whole onto the host.
   conventions: MtpConfig chain fields (pass_normed_hidden, head_norm, mask_first_embedding,
     depth_reuse) overriding the family's.
   """
   config = read_config(path)
-  return load_target(path, dtype=dtype), load_mtp(path, dtype=dtype, max_depth=max_depth, **conventions), config
+  return (load_target(path, dtype=dtype, mesh=mesh),
+          load_mtp(path, dtype=dtype, max_depth=max_depth, mesh=mesh, **conventions), config)
 
 
 def load_tokenizer(path):
