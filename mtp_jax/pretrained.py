@@ -7,7 +7,7 @@ Targets: GQA decoders of the Llama / Qwen2 / MiMo, GLM-4.5 (dense and MoE layers
 (dense) families, and DeepSeek-V3 (MLA in every layer, dense then MoE FFNs). MTP modules: every layout of `layouts` whose blocks mtp_jax runs. The chain follows the
 family's conventions (`layouts.CONVENTIONS`); keyword arguments override them.
 Tensors are read lazily (only the ones used, never whole shards) and placed straight into the
-model, with no random initialisation first. With mesh= each target tensor goes straight into its
+model, with no random initialisation first. With mesh= each tensor goes straight into its
 sharding (sharding.param_specs), each device's block read from the file on its own (routed
 experts: only the experts that device holds), so the host holds about one tensor at a time.
 """
@@ -140,7 +140,7 @@ def load_target(path, *, dtype=None, mesh: Mesh | None = None) -> TargetModel:
 def load_mtp(path, *, dtype=None, max_depth: int | None = None, mesh: Mesh | None = None,
              **conventions) -> MtpModel:
   """The MTP modules of a released directory; conventions override the family's (MtpConfig fields).
-  With mesh, placed into sharding.param_specs' shardings."""
+  With mesh, each read block by block into its sharding.param_specs sharding."""
   mesh = _mesh(mesh)
   config = read_config(path)
   bad = sorted(set(conventions) - set(layouts.CONVENTION_FIELDS))
@@ -153,8 +153,8 @@ def load_mtp(path, *, dtype=None, max_depth: int | None = None, mesh: Mesh | Non
                        "dtype": _dtype(config, dtype)})
     first_layer = config.get("num_hidden_layers") if layout == "deepseek" else None
     tensors = layouts.to_canonical(reader, layout, cfg, first_layer=first_layer,
-                                   tied=bool(config.get("tie_word_embeddings", False)))
-  return _build(lambda: MtpModel(cfg, rngs=nnx.Rngs(0)), canonical_name, tensors, f"{path}", mesh)
+                                   tied=bool(config.get("tie_word_embeddings", False)), lazy=True)
+    return _build(lambda: MtpModel(cfg, rngs=nnx.Rngs(0)), canonical_name, tensors, f"{path}", mesh)
 
 
 def from_pretrained(path, *, dtype=None, max_depth: int | None = None, mesh: Mesh | None = None,
