@@ -142,7 +142,8 @@ def state_specs(state: ProposerState | TargetState, mesh: Mesh):
 
   Batch B on "data" (replicated if B % data != 0). Caches as their `partition_specs` say: GQA
   dtype[B, L, Hkv, Dh] with Hkv on "model" when Hkv % model == 0, MLA latents replicated on "model".
-  Proposer: tail dtype[B, K, D], draft_probs float32[B, K, V] by batch; lengths int32[K, B] on axis 1; num_pos, num_drafted int32[B]. Target: length int32[B].
+  Proposer: tail dtype[B, K, D], draft_probs float32[B, K, V] by batch; lengths int32[K, B] on axis 1;
+  num_pos, num_drafted int32[B]. Target: length int32[B].
   """
   sizes = _axis_sizes(mesh)
   data_size, m = sizes[DATA], sizes[MODEL]
