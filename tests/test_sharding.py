@@ -158,6 +158,7 @@ def test_sharded_load_places_experts_on_the_expert_axis(load_runs):
   assert load_runs["experts"]["1x2x2"] == {"spec": ["expert", None, "model"], "shard": [e // 2, d, fe // 2]}
   assert load_runs["q_proj"] == {"spec": ["model", None], "shard": [16, 32]}  # 4 heads x 8 split in 2
   assert load_runs["router"] == []
+  assert load_runs["expert_mesh_logits_error"] < 1e-4  # the expert-split target computes the same logits
 
 
 def test_block_outputs_constrained_under_use_mesh(load_runs):
@@ -307,13 +308,17 @@ def _load_child() -> dict:
   hidden = lambda m: jax.jit(lambda m: m(tokens, rows, valid, None)[1])(m)
   with sharding.use_mesh(mesh):
     constrained = hidden(st)
+  # 12 rows x 2 experts each > 4 experts: the MoE layer takes the grouped (ragged_dot) path.
+  logits = lambda m: np.asarray(jax.jit(lambda m: m(tokens, rows, valid, None)[0])(m))
+  expert_mesh_error = float(np.max(np.abs(logits(loaded["1x2x2"][0]) - logits(target))))
   by_batch = lambda x: x.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, P("data", None, None)), 3)
   w = lambda x: {"spec": _spec(x), "shard": _shard_shape(x)}
   return {"params_equal": equal, "single": single.tokens, "sharded": sharded.tokens,
           "accepted": sharded.stats["accepted_tokens"],
           "experts": {k: w(t.layers[1].mlp.experts.gate_proj[...]) for k, (t, _) in loaded.items()},
           "q_proj": w(st.layers[0].self_attn.q_proj.weight[...]), "router": _spec(st.layers[1].mlp.gate.weight[...]),
-          "hidden_by_batch": {"use_mesh": by_batch(constrained), "without": by_batch(hidden(st))}}
+          "hidden_by_batch": {"use_mesh": by_batch(constrained), "without": by_batch(hidden(st))},
+          "expert_mesh_logits_error": expert_mesh_error}
 
 
 if __name__ == "__main__":
