@@ -26,8 +26,8 @@ class TargetModel(nnx.Module):
     self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype, rngs=rngs)
     self.layers = nnx.List([Block(cfg.block_config(), rngs=rngs, layer_idx=i) for i in range(cfg.num_layers)])
     self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=cfg.jnp_dtype,
-                        unit_offset=cfg.norm_unit_offset)
-    self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.jnp_dtype, rngs=rngs)
+                        unit_offset=cfg.norm_unit_offset, axis="embed")
+    self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=("vocab", "embed"), dtype=cfg.jnp_dtype, rngs=rngs)
 
   def __call__(self, tokens_BxT, rows_BxT, valid_BxT, kv: tuple[KVCache, ...] | None,
                tree: TreeRows | None = None):
