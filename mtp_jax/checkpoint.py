@@ -1,12 +1,12 @@
 """safetensors IO: whole-dict save / load, and a lazy reader for single or sharded checkpoints that
-dequantizes block-scaled FP8 weights as it reads them."""
+reads whole tensors or blocks of them, dequantizing block-scaled FP8 weights as it reads them."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import ml_dtypes  # also registers bfloat16 with numpy, so BF16 tensors load
 import numpy as np
@@ -66,6 +66,17 @@ def load_tensors(path) -> dict[str, np.ndarray]:
   """Every tensor of a checkpoint (file, directory or sharded index), by name, as stored."""
   with CheckpointReader(path) as reader:
     return {name: reader.get(name) for name in reader.keys()}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSource:
+  """A tensor not read yet: its shape, and read(index) -> x[index] as a numpy array (index: a tuple
+  of slices, one per dimension; None: the whole tensor). np.asarray(source) reads it whole."""
+  shape: tuple[int, ...]
+  read: Callable[[tuple[slice, ...] | None], np.ndarray]
+
+  def __array__(self, dtype=None, copy=None) -> np.ndarray:
+    return np.asarray(self.read(None), dtype)
 
 
 def _find_index_or_file(path: str) -> str:
@@ -167,44 +178,82 @@ class CheckpointReader:
       raise KeyError(f"tensor {name!r} is listed in {self.path} but missing from shard {file}")
     return file
 
-  def _stored(self, name: str) -> np.ndarray:
+  def _stored(self, name: str, index: tuple[slice, ...] | None) -> np.ndarray:
     file = self._file_of(name)
     try:
       dtype = self._handle(file).get_slice(name).get_dtype()
       if dtype not in _ML_DTYPES:
-        return self._handle(file).get_tensor(name)
+        handle = self._handle(file)
+        return handle.get_tensor(name) if index is None else handle.get_slice(name)[tuple(index)]
       if file not in self._headers:
         with open(file, "rb") as f:
           size = int.from_bytes(f.read(8), "little")
           self._headers[file] = json.loads(f.read(size)), 8 + size
       header, start = self._headers[file]
       begin, end = header[name]["data_offsets"]
-      data = np.fromfile(file, dtype=np.uint8, count=end - begin, offset=start + begin)
-      return data.view(_ML_DTYPES[dtype]).reshape(header[name]["shape"])
+      if index is None:
+        data = np.fromfile(file, dtype=np.uint8, count=end - begin, offset=start + begin)
+        return data.view(_ML_DTYPES[dtype]).reshape(header[name]["shape"])
+      # Mapped, so that only the pages under the block are read.
+      data = np.memmap(file, dtype=np.uint8, mode="r", offset=start + begin, shape=(end - begin,))
+      return np.array(data.view(_ML_DTYPES[dtype]).reshape(header[name]["shape"])[tuple(index)])
     except Exception as e:  # the rust reader's errors carry no type worth telling apart
       raise ValueError(f"could not read tensor {name!r} from {file}: {e}") from e
 
-  def get(self, name: str) -> np.ndarray:
-    """The tensor with its stored shape and dtype (BF16 comes back as ml_dtypes.bfloat16, FP8 as
-    ml_dtypes.float8_*), except that with `fp8` a float8 weight stored with a scale comes back
-    dequantized (`dequantize_fp8_blocks`), as fp8.dtype."""
-    value = self._stored(name)
+  def get(self, name: str, index: tuple[slice, ...] | None = None) -> np.ndarray:
+    """The tensor with its stored dtype (BF16 comes back as ml_dtypes.bfloat16, FP8 as
+    ml_dtypes.float8_*), or with index (a tuple of slices, as x[index]) only that block of it, read
+    from the file without the rest. With `fp8`, a float8 weight stored with a scale comes back
+    dequantized (`dequantize_fp8_blocks`, a block with the scales of the blocks it covers), as fp8.dtype."""
     scale_name = self._scale_of.get(name)
     if scale_name is None:
-      return value
+      return self._stored(name, index)
+    shape, scale_shape, block = self.shape(name), self.shape(scale_name), self.fp8.block
+    want = tuple(-(-n // b) for n, b in zip(shape, block))
+    if len(shape) != 2 or scale_shape != want:
+      raise ValueError(f"{self.path}: scale {scale_name!r} has shape {scale_shape}, expected {want} for weight "
+                       f"{name!r} of shape {shape} in blocks of {block} (quantization_config.weight_block_size)")
+    ranges = [(0, n, 1) for n in shape]
+    if index is not None:
+      index = tuple(index) + (slice(None),) * (2 - len(index))
+      ranges = [s.indices(n) for s, n in zip(index, shape)]
+      if any(step != 1 for _, _, step in ranges):
+        raise ValueError(f"{self.path}: FP8 weight {name!r} is read in contiguous blocks only, got index {index}")
+    value = self._stored(name, index)
     if value.dtype not in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
       raise ValueError(f"{self.path}: tensor {name!r} has a scale {scale_name!r} but is stored as {value.dtype}, "
                        "not float8")
-    scale = self._stored(scale_name)
-    block = self.fp8.block
-    want = tuple(-(-n // b) for n, b in zip(value.shape, block))
-    if value.ndim != 2 or scale.shape != want:
-      raise ValueError(f"{self.path}: scale {scale_name!r} has shape {scale.shape}, expected {want} for weight "
-                       f"{name!r} of shape {value.shape} in blocks of {block} (quantization_config.weight_block_size)")
-    return dequantize_fp8_blocks(value, scale, block).astype(self.fp8.dtype)
+    # The scale blocks covering the rows / columns read (none for an empty range).
+    cover = tuple(slice(lo // b, -(-hi // b)) for (lo, hi, _), b in zip(ranges, block))
+    scale = self._stored(scale_name, None if index is None else cover)
+    offset = tuple(lo for lo, _, _ in ranges)
+    return dequantize_fp8_blocks(value, scale, block, offset=offset).astype(self.fp8.dtype)
 
   def __getitem__(self, name: str) -> np.ndarray:
     return self.get(name)
+
+  def source(self, name: str) -> TensorSource:
+    """The tensor as a TensorSource reading from this reader (while it is open)."""
+    return TensorSource(self.shape(name), lambda index: self.get(name, index))
+
+  def stacked(self, names: Sequence[str]) -> TensorSource:
+    """The 2-D tensors `names` (each [out, in], one shape) transposed and stacked: [N, in, out], as
+    released MoE experts become mtp_jax's stacked experts. A block reads only the tensors it covers,
+    and of each only its [out, in] block."""
+    names = list(names)
+    rows, cols = self.shape(names[0])
+
+    def read(index):
+      chosen, i, o = index or (slice(None),) * 3
+      out = None
+      for k, name in enumerate(names[chosen]):
+        block = self.get(name, (o, i)).T
+        if out is None:  # filled in place: the host holds this block once, not a list of parts too
+          out = np.empty((len(names[chosen]),) + block.shape, block.dtype)
+        out[k] = block
+      return out
+
+    return TensorSource((len(names), cols, rows), read)
 
   def shape(self, name: str) -> tuple[int, ...]:
     """The stored shape, read from the file header without loading the tensor."""

@@ -21,7 +21,7 @@ from flax import nnx
 
 from mtp_jax import families, mtp, validate
 from mtp_jax.families import base
-from mtp_jax.checkpoint import CheckpointReader, Fp8Blocks, read_json, save_tensors
+from mtp_jax.checkpoint import CheckpointReader, Fp8Blocks, TensorSource, read_json, save_tensors
 from mtp_jax.config import MlaConfig, MoeConfig, MtpConfig, RopeScaling
 
 LAYOUTS = tuple(families.LAYOUTS)
@@ -284,7 +284,7 @@ def _shape(source, name: str) -> tuple[int, ...]:
 
 
 def to_canonical(source: Mapping | CheckpointReader, layout: str, cfg: MtpConfig, *,
-                 first_layer: int | None = None, tied: bool = False) -> dict[str, np.ndarray]:
+                 first_layer: int | None = None, tied: bool = False, lazy: bool = False) -> dict[str, np.ndarray]:
   """Canonical name -> tensor, with the shapes of `canonical_shapes(cfg)` (e.g. float32[V, D]).
 
   source: name -> array in `layout`, or a CheckpointReader (then only the needed tensors load).
@@ -293,7 +293,10 @@ def to_canonical(source: Mapping | CheckpointReader, layout: str, cfg: MtpConfig
   (config tie_word_embeddings), so lm_head.weight is read from the embedding. Dtypes stay as
   stored, except that Qwen3-Next norm weights read into a config without norm_unit_offset come
   back as 1 + weight in float32. Arrays read once (a shared Qwen3-Next fc) are shared between names.
+  lazy: with a CheckpointReader, TensorSources, read later (block by block, FP8 blocks dequantized
+  with their scales) while the reader is open; a Mapping's arrays are in memory already.
   """
+  lazy = lazy and isinstance(source, CheckpointReader)
   names = set(source.keys())
   plan, prefixes = _plan(layout, cfg, names, first_layer, tied)
   used = {n for sources, _, _ in plan.values() for n in sources}
@@ -321,9 +324,9 @@ def to_canonical(source: Mapping | CheckpointReader, layout: str, cfg: MtpConfig
         raise ValueError(f"{layout} checkpoint tensor {name!r} has shape {_shape(source, name)}, "
                          f"expected {want} (mtp_jax {canonical})")
       if name not in loaded:
-        loaded[name] = np.asarray(source[name])
+        loaded[name] = source.source(name) if lazy else np.asarray(source[name])
     if stacked:
-      out[canonical] = np.stack([loaded.pop(name).T for name in sources])
+      out[canonical] = source.stacked(sources) if lazy else np.stack([loaded.pop(name).T for name in sources])
       continue
     for name in sources[1:]:
       if not np.array_equal(loaded[name], loaded[sources[0]]):
@@ -334,7 +337,11 @@ def to_canonical(source: Mapping | CheckpointReader, layout: str, cfg: MtpConfig
         raise ValueError(f"{layout} checkpoint tensors {sources[0]!r} and {name!r} differ, but "
                          f"mtp_jax shares one {canonical} across all MTP modules")
     first = loaded[sources[0]]
-    out[canonical] = transform(first) if transform else first
+    if transform and lazy:  # the whole tensor transformed, then the block asked for
+      out[canonical] = TensorSource(shapes[canonical], lambda index, t=transform, f=first: (
+          t(np.asarray(f)) if index is None else t(np.asarray(f))[index]))
+    else:
+      out[canonical] = transform(first) if transform else first
   return out
 
 

@@ -29,11 +29,11 @@ class MtpModule(nnx.Module):
 
   def __init__(self, cfg: MtpConfig, *, rngs: nnx.Rngs):
     d, dt, eps = cfg.hidden_size, cfg.jnp_dtype, cfg.rms_norm_eps
-    self.enorm = RMSNorm(d, eps=eps, dtype=dt, unit_offset=cfg.norm_unit_offset)
-    self.hnorm = RMSNorm(d, eps=eps, dtype=dt, unit_offset=cfg.norm_unit_offset)
-    self.eh_proj = Linear(2 * d, d, dtype=dt, rngs=rngs)
+    self.enorm = RMSNorm(d, eps=eps, dtype=dt, unit_offset=cfg.norm_unit_offset, axis="embed")
+    self.hnorm = RMSNorm(d, eps=eps, dtype=dt, unit_offset=cfg.norm_unit_offset, axis="embed")
+    self.eh_proj = Linear(2 * d, d, axes=("embed", "embed"), dtype=dt, rngs=rngs)
     self.block = Block(cfg.block_config(), rngs=rngs)
-    self.shared_head_norm = (RMSNorm(d, eps=eps, dtype=dt, unit_offset=cfg.norm_unit_offset)
+    self.shared_head_norm = (RMSNorm(d, eps=eps, dtype=dt, unit_offset=cfg.norm_unit_offset, axis="embed")
                              if cfg.head_norm else None)
 
   def __call__(self, emb_BxTxD, h_BxTxD, rows_BxT, valid_BxT, cache: LayerCache | None, rope_offset: int,
@@ -54,7 +54,7 @@ class MtpModel(nnx.Module):
     self.cfg = cfg
     self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype, rngs=rngs)
     self.layers = nnx.List([MtpModule(cfg, rngs=rngs) for _ in range(cfg.num_modules)])
-    self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.jnp_dtype, rngs=rngs)
+    self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=("vocab", "embed"), dtype=cfg.jnp_dtype, rngs=rngs)
 
   def module(self, i: int) -> MtpModule:
     """The module depth i runs (cfg.module_of(i))."""

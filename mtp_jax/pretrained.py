@@ -4,10 +4,13 @@ target, its MTP proposer and a tokenizer.
     target, proposer, config = from_pretrained("path/to/model", dtype="bfloat16", max_depth=3)
 
 Targets: GQA decoders of the Llama / Qwen2 / MiMo, GLM-4.5 (dense and MoE layers) and ERNIE-4.5
-(dense) families, and DeepSeek-V3 (MLA in every layer, dense then MoE FFNs). MTP modules: every layout of `layouts` whose blocks mtp_jax runs. The chain follows the
+(dense) families, and DeepSeek-V3 (MLA in every layer, dense then MoE FFNs). MTP modules: every
+layout of `layouts` whose blocks mtp_jax runs. The chain follows the
 family's conventions (its record in `mtp_jax.families`); keyword arguments override them.
 Tensors are read lazily (only the ones used, never whole shards) and placed straight into the
-model, with no random initialisation first.
+model, with no random initialisation first. With mesh= each tensor goes straight into its
+sharding (sharding.param_specs), each device's block read from the file on its own (routed
+experts: only the experts that device holds), so the host holds about one tensor at a time.
 """
 
 from __future__ import annotations
@@ -20,12 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 import tokenizers
 from flax import nnx
+from jax.sharding import Mesh
 
-from mtp_jax import families, layouts, validate
-from mtp_jax.checkpoint import CheckpointReader, read_json
+from mtp_jax import families, layouts, sharding, validate
+from mtp_jax.checkpoint import CheckpointReader, TensorSource, read_json
 from mtp_jax.config import MtpConfig, TargetConfig
 from mtp_jax.mtp import MtpModel, canonical_name, param_names
-from mtp_jax.target import TargetModel, _hf_name
+from mtp_jax.target import TargetModel, hf_name
 
 def read_model_config(path) -> dict:
   """config.json of a model directory, as a dict, every field mtp_jax reads checked
@@ -69,11 +73,40 @@ def target_config_from_hf(config: Mapping, *, dtype=None) -> TargetConfig:
                       num_layers=config["num_hidden_layers"], dtype=_dtype(config, dtype))
 
 
-def _build(ctor, canonical, tensors: Mapping, what: str, allow_nonfinite: bool = False):
-  """ctor() as an abstract model, its params filled from tensors (canonical name -> array), each
-  cast to the dtype the model gives that param (routers stay float32 in a bf16 model). A tensor
-  holding NaN or inf is refused (validate.InvalidValue naming it) unless allow_nonfinite."""
+def _mesh(mesh):
+  if mesh is not None:
+    validate.instance("mesh", mesh, Mesh, "a jax.sharding.Mesh (see sharding.make_mesh)")
+  return mesh
+
+
+def _checked(read, name: str, what: str, allow_nonfinite: bool):
+  """read(index) -> x[index] as a numpy array, refused when float8 without scales or (unless
+  allow_nonfinite) holding NaN or inf: so each block placed is checked as it is read."""
+
+  def checked(index):
+    value = np.asarray(read(index))
+    if value.dtype.itemsize < 2:
+      raise ValueError(f"{what}: tensor {name!r} is stored as {value.dtype} without scales; only float16 / bfloat16 "
+                       "/ float32 tensors load, or block-scaled FP8 ones with config.json's quantization_config")
+    finite = allow_nonfinite or np.isfinite(value)
+    if not np.all(finite):
+      bad = int(value.size - np.count_nonzero(finite))
+      where = "" if index is None else f" in its block {tuple((s.start, s.stop) for s in index)}"
+      raise validate.InvalidValue(name, f"{what}: tensor {name!r} holds {bad} NaN / inf value(s) of {value.size}"
+                                  f"{where}; pass allow_nonfinite=True to load it anyway")
+    return value
+
+  return checked
+
+
+def _build(ctor, canonical, tensors: Mapping, what: str, allow_nonfinite: bool = False, mesh: Mesh | None = None):
+  """ctor() as an abstract model, its params filled from tensors (canonical name -> array or
+  TensorSource), each cast to the dtype the model gives that param (routers stay float32 in a bf16
+  model); with mesh, each placed block by block into its sharding.param_specs sharding. A tensor
+  (with mesh: a block) holding NaN or inf is refused (validate.InvalidValue naming it) unless
+  allow_nonfinite."""
   abstract = nnx.eval_shape(ctor)
+  specs = None if mesh is None else dict(nnx.to_flat_state(nnx.state(sharding.param_specs(abstract, mesh))))
   graphdef, state = nnx.split(abstract)
   flat = []
   for path, var in nnx.to_flat_state(state):
@@ -83,22 +116,21 @@ def _build(ctor, canonical, tensors: Mapping, what: str, allow_nonfinite: bool =
     value = tensors[name]
     if tuple(value.shape) != tuple(var.shape):
       raise ValueError(f"{what}: tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(var.shape)}")
-    if np.dtype(value.dtype).itemsize < 2:
-      raise ValueError(f"{what}: tensor {name!r} is stored as {value.dtype} without scales; only float16 / bfloat16 "
-                       "/ float32 tensors load, or block-scaled FP8 ones with config.json's quantization_config")
-    finite = allow_nonfinite or np.isfinite(value)
-    if not np.all(finite):
-      bad = int(value.size - np.count_nonzero(finite))
-      raise validate.InvalidValue(name, f"{what}: tensor {name!r} holds {bad} NaN / inf value(s) of {value.size}; "
-                                  "pass allow_nonfinite=True to load it anyway")
-    flat.append((path, var.replace(jnp.asarray(value, var.dtype))))
+    read = value.read if isinstance(value, TensorSource) else (
+        lambda index, v=value: np.asarray(v) if index is None else np.asarray(v)[index])
+    read = _checked(read, name, what, allow_nonfinite)
+    if mesh is None:
+      placed = jnp.asarray(read(None), var.dtype)
+    else:
+      placed = sharding.place_blocks(read, var.shape, var.dtype, specs[path].get_value(), mesh)
+    flat.append((path, var.replace(placed)))
   return nnx.merge(graphdef, nnx.from_flat_state(flat))
 
 
 def _target_tensors(reader: CheckpointReader, config: Mapping, cfg: TargetConfig) -> dict[str, np.ndarray]:
   """HF name -> array for every target param; lm_head from the embedding when tied."""
   names = set(reader.keys())
-  want = set(param_names(nnx.eval_shape(lambda: TargetModel(cfg, rngs=nnx.Rngs(0))), _hf_name))
+  want = set(param_names(nnx.eval_shape(lambda: TargetModel(cfg, rngs=nnx.Rngs(0))), hf_name))
   tied = bool(config.get("tie_word_embeddings", False))
   scope = tuple(f"model.layers.{i}." for i in range(cfg.num_layers)) + ("model.norm.", "model.embed_tokens.")
   per_expert = {f"{m[1]}.{e}.{m[2]}.weight" for n in want if (m := re.fullmatch(r"(.*\.mlp\.experts)\.(\w+_proj)", n))
@@ -118,34 +150,38 @@ def _target_tensors(reader: CheckpointReader, config: Mapping, cfg: TargetConfig
     if source not in names:
       hint = " (config.json: tie_word_embeddings is false)" if name == "lm_head.weight" else ""
       raise KeyError(f"{reader.path}: missing target tensor {source!r}{hint}")
-    out[name] = reader.get(source)
+    out[name] = reader.source(source)
   return out
 
 
-def _stack_experts(reader, names, prefix: str, proj: str, num_experts: int) -> np.ndarray:
-  """Released experts (one torch [out, in] tensor each) -> mtp_jax's stacked [E, in, out]."""
+def _stack_experts(reader, names, prefix: str, proj: str, num_experts: int) -> TensorSource:
+  """Released experts (one torch [out, in] tensor each) -> mtp_jax's stacked [E, in, out]; a block
+  of it reads only its experts, and of each only its [out, in] block."""
   parts = [f"{prefix}.{e}.{proj}.weight" for e in range(num_experts)]
   missing = [p for p in parts if p not in names]
   if missing:
     raise KeyError(f"{reader.path}: missing expert tensor {missing[0]!r} (config.json has "
                    f"n_routed_experts={num_experts})")
-  return np.stack([reader.get(p).T for p in parts])
+  return reader.stacked(parts)
 
 
-def load_target(path, *, dtype=None, allow_nonfinite: bool = False) -> TargetModel:
+def load_target(path, *, dtype=None, allow_nonfinite: bool = False, mesh: Mesh | None = None) -> TargetModel:
   """The target model of a released directory (see `from_pretrained`)."""
   allow_nonfinite = validate.flag("allow_nonfinite", allow_nonfinite)
+  mesh = _mesh(mesh)
   config = read_model_config(path)
   cfg = target_config_from_hf(config, dtype=dtype)
   with CheckpointReader(path, fp8=layouts.fp8_from_hf(config, cfg.dtype)) as reader:
     tensors = _target_tensors(reader, config, cfg)
-    return _build(lambda: TargetModel(cfg, rngs=nnx.Rngs(0)), _hf_name, tensors, f"{path}", allow_nonfinite)
+    return _build(lambda: TargetModel(cfg, rngs=nnx.Rngs(0)), hf_name, tensors, f"{path}", allow_nonfinite, mesh)
 
 
 def load_mtp(path, *, dtype=None, max_depth: int | None = None, allow_nonfinite: bool = False,
-             **conventions) -> MtpModel:
-  """The MTP modules of a released directory; conventions override the family's (MtpConfig fields)."""
+             mesh: Mesh | None = None, **conventions) -> MtpModel:
+  """The MTP modules of a released directory; conventions override the family's (MtpConfig fields).
+  With mesh, each read block by block into its sharding.param_specs sharding."""
   allow_nonfinite = validate.flag("allow_nonfinite", allow_nonfinite)
+  mesh = _mesh(mesh)
   config = read_model_config(path)
   bad = sorted(set(conventions) - set(layouts.CONVENTION_FIELDS))
   if bad:
@@ -158,24 +194,29 @@ def load_mtp(path, *, dtype=None, max_depth: int | None = None, allow_nonfinite:
     key = families.LAYOUTS[layout].first_layer_key
     first_layer = config.get(key) if key else None
     tensors = layouts.to_canonical(reader, layout, cfg, first_layer=first_layer,
-                                   tied=bool(config.get("tie_word_embeddings", False)))
-  return _build(lambda: MtpModel(cfg, rngs=nnx.Rngs(0)), canonical_name, tensors, f"{path}", allow_nonfinite)
+                                   tied=bool(config.get("tie_word_embeddings", False)), lazy=True)
+    return _build(lambda: MtpModel(cfg, rngs=nnx.Rngs(0)), canonical_name, tensors, f"{path}", allow_nonfinite,
+                  mesh)
 
 
 def from_pretrained(path, *, dtype=None, max_depth: int | None = None, allow_nonfinite: bool = False,
+                    mesh: Mesh | None = None,
                     **conventions) -> tuple[TargetModel, MtpModel, dict]:
   """(target, proposer, config.json dict) from a released model directory.
 
   dtype: weights / activations dtype (default the checkpoint's: bf16 stays bf16).
   max_depth: drafts a propose may make (default the module count; depths past it reuse modules).
+  mesh: a sharding.make_mesh mesh; every param is read straight into its sharding.param_specs
+    sharding (one block per device), not first whole onto the host.
   conventions: MtpConfig chain fields (pass_normed_hidden, head_norm, mask_first_embedding,
     depth_reuse) overriding the family's.
   allow_nonfinite: load tensors holding NaN or inf (refused by default, naming the tensor).
   Bad directories raise validate.InvalidValue / InvalidType naming the file and the key or tensor.
   """
   config = read_model_config(path)
-  return (load_target(path, dtype=dtype, allow_nonfinite=allow_nonfinite),
-          load_mtp(path, dtype=dtype, max_depth=max_depth, allow_nonfinite=allow_nonfinite, **conventions), config)
+  return (load_target(path, dtype=dtype, allow_nonfinite=allow_nonfinite, mesh=mesh),
+          load_mtp(path, dtype=dtype, max_depth=max_depth, allow_nonfinite=allow_nonfinite, mesh=mesh, **conventions),
+          config)
 
 
 def load_tokenizer(path):

@@ -1,99 +1,140 @@
-"""Partition specs for a ("data", "model") device mesh; JAX's GSPMD does the distributed work.
+"""Partition specs for a ("data", "model") device mesh, optionally with an "expert" axis; JAX's GSPMD
+does the distributed work.
 
-Params and states are placed with `jax.device_put(x, NamedSharding(mesh, spec))`; the jitted
-`propose`, `after_verify`, `target_step` and `generate` then run sharded because jit follows the
-shardings of its inputs. "data" splits the batch B, "model" splits attention heads and MLP
-columns (Megatron style: column-parallel q/k/v and gate/up, row-parallel o and down, so each
-block needs one all-reduce after attention and one after the MLP). In an MoE block "model"
-splits the stacked routed experts by expert (expert parallel); the router and shared experts
-follow the rules above.
+Every param declares its logical axes where it is created (blocks/linear.py: `Linear(axes=...)`,
+`Embed`, `RMSNorm(axis=...)`, `param(...)` for the MoE experts, router and attention sinks). RULES
+is the one table that maps logical axes onto mesh axes; `param_specs` reads the declarations
+through it, and a param that declares nothing is an error naming it. "data" splits the batch B,
+"model" attention heads and MLP columns (Megatron style: column-parallel q/k/v and gate/up,
+row-parallel o and down, so each block needs one all-reduce after attention and one after the
+MLP), "expert" the stacked routed experts of an MoE block; on a mesh without it they split over
+"model" (expert parallel), and the router and shared experts follow the rules above.
 
-Any dimension that does not divide by its mesh axis stays replicated on that axis: k/v
-projections and KV caches when num_kv_heads % model != 0, q/o when num_heads % model != 0, an
-MLP (or shared expert) whose width does not divide, the routed experts when
-num_experts % model != 0, and a state's batch when B % data != 0. The results
-are the same either way; only memory and communication differ.
+A dimension that does not divide by its mesh axis stays whole on that axis: k/v projections and
+KV caches when num_kv_heads % model != 0, q/o when num_heads % model != 0, an MLP (or shared
+expert) whose width does not divide, the routed experts when num_experts does not divide, and a
+state's batch when B % data != 0. The results are the same either way; only memory and
+communication differ.
+
+Params are placed with `jax.device_put(x, NamedSharding(mesh, spec))` (`shard_params`), or read
+from a checkpoint block by block straight into their sharding (`place_blocks`, which
+`pretrained.from_pretrained(path, mesh=...)` uses); the jitted `propose`, `after_verify`,
+`target_step` and `generate` then run sharded because jit follows the shardings of its inputs.
+Traced under `use_mesh(mesh)`, the blocks also constrain their outputs (blocks.linear.constrain).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Callable, Sequence
 
 import jax
 import numpy as np
+from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from mtp_jax.blocks.linear import AXES, axis_resolver
 from mtp_jax.mtp import MtpModel
 from mtp_jax.proposer import ProposerState
 from mtp_jax.target import TargetModel, TargetState
 
-DATA, MODEL = "data", "model"
+DATA, MODEL, EXPERT = "data", "model", "expert"
+
+# Logical axis -> the mesh axes it may split over, first choice first. A dimension takes the first
+# one the mesh has, that no earlier dimension of the same array took, and that divides its count
+# ("heads" and "kv_heads" count heads, not rows, so a head is never cut; others their size).
+# An empty tuple: never split.
+RULES: dict[str, tuple[str, ...]] = {
+    "batch": (DATA,),  # the sequences of a batch (activations, states)
+    "embed": (),  # the hidden size D: norms, eh_proj, the residual stream
+    "vocab": (),  # embedding and LM head rows
+    "heads": (MODEL,),  # query heads (times their head dim): q / o projections, MLA q_b / kv_b, sinks
+    "kv_heads": (MODEL,),  # KV heads (times head dim): k / v projections
+    "head_dim": (),  # per-head q / k norms
+    "mlp": (MODEL,),  # dense MLP and shared-expert width
+    "experts": (EXPERT, MODEL),  # routed experts: the expert axis where the mesh has one
+    "expert_mlp": (MODEL,),  # a routed expert's width, when the experts left "model" free
+    "q_lora": (),  # MLA's q LoRA rank
+    "kv_lora": (),  # MLA's latent (and shared rope key): every head reads it
+}
 
 
-def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """A data x model mesh over `devices` (default all devices of all processes).
+def make_mesh(data: int, model: int, devices: Sequence[jax.Device] | None = None, *, expert: int = 1) -> Mesh:
+  """A data x model mesh over `devices` (default all devices of all processes); with expert > 1 a
+  data x expert x model mesh, whose "expert" axis splits only the routed experts.
 
   The axes are `AxisType.Auto`, so jit propagates shardings GSPMD style (jax's own default,
   Explicit, would make every op's output sharding part of its type, which the model code
   does not spell out).
   """
   devices = list(jax.devices() if devices is None else devices)
-  for name, size in (("data", data), ("model", model)):
+  for name, size in (("data", data), ("model", model), ("expert", expert)):
     if not isinstance(size, int) or size < 1:
       raise ValueError(f"{name} must be a positive int, got {size!r}")
-  if data * model != len(devices):
-    raise ValueError(f"data * model must equal the number of devices ({len(devices)}), "
-                     f"got data={data}, model={model}")
-  return jax.make_mesh((data, model), (DATA, MODEL), (AxisType.Auto, AxisType.Auto), devices=devices)
+  if data * model * expert != len(devices):
+    raise ValueError(f"data * model{' * expert' if expert > 1 else ''} must equal the number of devices "
+                     f"({len(devices)}), got data={data}, model={model}{f', expert={expert}' if expert > 1 else ''}")
+  if expert == 1:
+    return jax.make_mesh((data, model), (DATA, MODEL), (AxisType.Auto,) * 2, devices=devices)
+  return jax.make_mesh((data, expert, model), (DATA, EXPERT, MODEL), (AxisType.Auto,) * 3, devices=devices)
 
 
-def _axis_sizes(mesh: Mesh) -> tuple[int, int]:
-  if not isinstance(mesh, Mesh) or set(mesh.axis_names) != {DATA, MODEL}:
-    raise ValueError(f"mesh must be a jax.sharding.Mesh with axes ('data', 'model') (see make_mesh), got {mesh!r}")
-  return mesh.shape[DATA], mesh.shape[MODEL]
+def _axis_sizes(mesh: Mesh) -> dict[str, int]:
+  names = set(getattr(mesh, "axis_names", ()))
+  if not isinstance(mesh, Mesh) or not {DATA, MODEL} <= names <= {DATA, MODEL, EXPERT}:
+    raise ValueError("mesh must be a jax.sharding.Mesh with axes ('data', 'model') or ('data', 'expert', 'model') "
+                     f"(see make_mesh), got {mesh!r}")
+  return dict(mesh.shape)
 
 
-def _names(path) -> list[str]:
-  names = [k.name for k in path if isinstance(k, jax.tree_util.GetAttrKey)]
-  return names[:-1] if names and names[-1] == "value" else names  # an nnx.Variable's payload
+def logical_spec(axes: Sequence[str | None], shape: Sequence[int], mesh: Mesh,
+                 counts: dict[str, int] | None = None) -> P:
+  """The PartitionSpec, per RULES, of an array of `shape` whose dimensions have logical `axes`
+  (names of RULES, or None: never split). counts: the unit count of a logical axis where it is
+  not the dimension's size (heads). P() when nothing splits."""
+  sizes = _axis_sizes(mesh)
+  if len(axes) != len(shape):
+    raise ValueError(f"logical axes {tuple(axes)} do not match shape {tuple(shape)}")
+  taken, out = set(), []
+  for name, size in zip(axes, shape):
+    if name is not None and name not in RULES:
+      raise ValueError(f"unknown logical axis {name!r}; sharding.RULES has {sorted(RULES)}")
+    count = (counts or {}).get(name, size)
+    pick = next((a for a in RULES.get(name, ()) if a in sizes and a not in taken and count % sizes[a] == 0), None)
+    taken.add(pick)
+    out.append(pick)
+  return P(*out) if any(out) else P()
+
+
+def _dotted(path) -> str:
+  return ".".join(str(getattr(k, "name", getattr(k, "idx", getattr(k, "key", k)))) for k in path)
 
 
 def param_specs(model: MtpModel | TargetModel, mesh: Mesh):
   """PartitionSpecs for every param of `model`, as a pytree shaped like the model.
 
-  Linear weights are float[out, in]. Split over "model" when the head / column count divides
-  by the model axis size, replicated otherwise:
-    q_proj weight [H*Dh, D], bias [H*Dh]: by query heads (axis 0);
-    k_proj / v_proj weight [Hkv*Dh, D], bias [Hkv*Dh]: by KV heads (axis 0);
-    o_proj weight [D, H*Dh]: by its input columns (axis 1);
-    MLA q_b_proj [H*(Dn+Dr), Rq], kv_b_proj [H*(Dn+Dv), R]: by heads (axis 0); q_a_proj,
-      kv_a_proj_with_mqa and the latent cache are replicated (every head reads them);
-    mlp gate_proj / up_proj [F, D]: by F (axis 0); down_proj [D, F]: by F (axis 1), and so the
-      shared experts of an MoE block by their own width;
-    mlp.experts.{gate,up,down}_proj [E, ...]: by expert (axis 0), when E divides.
-  Norms, eh_proj, routers (mlp.gate), shared_expert_gate, the embedding and lm_head are replicated.
+  Each param's spec is its declared logical axes mapped through RULES (`logical_spec`, heads
+  counted by cfg.num_heads / num_kv_heads). Linear weights are float[out, in]: q_proj, MLA
+  q_b_proj / kv_b_proj ("heads", *) and k / v_proj ("kv_heads", "embed") split by rows, o_proj
+  ("embed", "heads") by columns; mlp gate / up ("mlp", "embed") by rows, down ("embed", "mlp") by
+  columns; experts [E, D, Fe] / [E, Fe, D] by expert. Norms, eh_proj, routers, the embedding,
+  lm_head and MLA's q_a / kv_a projections declare no split axis and are replicated.
+  A param without declared logical axes raises ValueError naming it.
   """
   if not isinstance(model, (MtpModel, TargetModel)):
     raise TypeError(f"model must be an MtpModel or TargetModel, got {type(model).__name__}")
-  _, m = _axis_sizes(mesh)
-  cfg = model.cfg
-  rules = {  # layer name -> (split axis of its weight, count that must divide by the model axis)
-      "q_proj": (0, cfg.num_heads), "k_proj": (0, cfg.num_kv_heads), "v_proj": (0, cfg.num_kv_heads),
-      "q_b_proj": (0, cfg.num_heads), "kv_b_proj": (0, cfg.num_heads), "o_proj": (1, cfg.num_heads),
-      "gate_proj": (0, None), "up_proj": (0, None), "down_proj": (1, None),
-      "experts": (0, None)}  # None: the split dimension's own size (MLP widths, experts)
+  _axis_sizes(mesh)
+  counts = {"heads": model.cfg.num_heads, "kv_heads": model.cfg.num_kv_heads}
 
-  def spec(path, x):
-    *_, layer, leaf = _names(path)
-    axis, count = rules.get(layer, (None, 1))
-    count = x.shape[axis] if axis is not None and count is None else count
-    if axis is None or count % m:
-      return P()
-    if leaf == "bias":  # a bias is float[out]: split with the weight's output rows only
-      return P(MODEL) if axis == 0 else P()
-    return P(*(MODEL if a == axis else None for a in range(x.ndim)))
+  def spec(path, var):
+    axes = var.get_metadata().get(AXES) if isinstance(var, nnx.Variable) else None
+    if axes is None:
+      raise ValueError(f"param {_dotted(path)} of {type(model).__name__} (shape {tuple(np.shape(var))}) declares no "
+                       "logical axes: give them where it is created (Linear(axes=...), RMSNorm(axis=...), "
+                       "blocks.linear.param)")
+    return var.replace(logical_spec(axes, var.shape, mesh, counts))
 
-  return jax.tree_util.tree_map_with_path(spec, model)
+  return jax.tree_util.tree_map_with_path(spec, model, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
 def state_specs(state: ProposerState | TargetState, mesh: Mesh):
@@ -106,7 +147,8 @@ def state_specs(state: ProposerState | TargetState, mesh: Mesh):
   dtype[B, K, D], draft_probs float32[B, K, V] by batch; lengths int32[K, B] on axis 1; num_pos,
   num_drafted int32[B]. Target: length int32[B].
   """
-  data_size, m = _axis_sizes(mesh)
+  sizes = _axis_sizes(mesh)
+  data_size, m = sizes[DATA], sizes[MODEL]
   if isinstance(state, ProposerState):
     batch = state.batch_size
   elif isinstance(state, TargetState):
@@ -155,9 +197,37 @@ def shard_batch(x, mesh: Mesh) -> jax.Array:
   jit would take host arrays as replicated and split them itself; placed up front, they arrive
   split already.
   """
-  data_size, _ = _axis_sizes(mesh)
+  data_size = _axis_sizes(mesh)[DATA]
   x = x if isinstance(x, jax.Array) else np.asarray(x)
   if x.ndim < 1:
     raise ValueError(f"x must have a leading batch axis, got shape {x.shape}")
   spec = P(DATA if x.shape[0] % data_size == 0 else None, *([None] * (x.ndim - 1)))
   return _put(x, NamedSharding(mesh, spec))
+
+
+def place_blocks(read: Callable, shape: Sequence[int], dtype, spec: P, mesh: Mesh) -> jax.Array:
+  """A jax.Array of `shape` and `dtype` laid out as `spec` on `mesh`, each device's block read by
+  read(index) -> array-like x[index] (index: a tuple of slices) and cast to dtype.
+
+  Only the blocks of this process's devices are read, each once however many devices hold it,
+  so the host holds at most this one array's blocks at a time.
+  """
+  blocks = {}
+
+  def block(index):
+    key = tuple((s.start, s.stop, s.step) for s in index)
+    if key not in blocks:
+      blocks[key] = np.asarray(read(index), dtype)
+    return blocks[key]
+
+  return jax.make_array_from_callback(tuple(shape), NamedSharding(mesh, spec), block)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh):
+  """`with use_mesh(mesh):` jax.set_mesh(mesh), and the blocks' activation constraints
+  (blocks.linear.constrain, e.g. each Block's output dtype[B, T, D] with B on "data") resolved
+  by RULES on mesh for whatever is traced inside."""
+  _axis_sizes(mesh)
+  with jax.set_mesh(mesh), axis_resolver(lambda axes, shape: NamedSharding(mesh, logical_spec(axes, shape, mesh))):
+    yield mesh

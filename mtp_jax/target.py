@@ -25,8 +25,8 @@ class TargetModel(nnx.Module):
     self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype, rngs=rngs)
     self.layers = nnx.List([Block(cfg.block_config(), rngs=rngs, layer_idx=i) for i in range(cfg.num_layers)])
     self.norm = RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=cfg.jnp_dtype,
-                        unit_offset=cfg.norm_unit_offset)
-    self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, dtype=cfg.jnp_dtype, rngs=rngs)
+                        unit_offset=cfg.norm_unit_offset, axis="embed")
+    self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=("vocab", "embed"), dtype=cfg.jnp_dtype, rngs=rngs)
 
   def __call__(self, tokens_BxT, rows_BxT, valid_BxT, kv: tuple[LayerCache, ...] | None,
                tree: TreeRows | None = None):
@@ -217,13 +217,14 @@ def init_target(cfg: TargetConfig, seed: int = 0) -> TargetModel:
   return TargetModel(cfg, rngs=nnx.Rngs(seed))
 
 
-def _hf_name(path: str) -> str:
+def hf_name(path: str) -> str:
+  """The HF Llama name of a TargetModel param path ("layers.0.self_attn.q_proj.weight" -> "model.layers...")."""
   return path if path.startswith("lm_head.") else "model." + path
 
 
 def target_state_dict(model: TargetModel) -> dict[str, jax.Array]:
   """HF Llama names -> arrays (torch Linear layout); the inverse of `load_target_state_dict`."""
-  return {_hf_name(".".join(str(p) for p in path)): param[...]
+  return {hf_name(".".join(str(p) for p in path)): param[...]
           for path, param in nnx.to_flat_state(nnx.state(model, nnx.Param))}
 
 
@@ -233,4 +234,4 @@ def load_target_state_dict(cfg: TargetConfig, tensors: Mapping) -> TargetModel:
   model.layers.{i}.post_attention_layernorm.weight, model.layers.{i}.mlp.{gate,up,down}_proj.weight,
   model.norm.weight [D], lm_head.weight [V, D]. Errors name the tensor and the expected shape."""
   model = init_target(cfg)
-  return assign_state_dict(model, param_names(model, _hf_name), tensors, "load_target_state_dict")
+  return assign_state_dict(model, param_names(model, hf_name), tensors, "load_target_state_dict")

@@ -82,6 +82,26 @@ def test_reader_sharded_is_lazy(tmp_path, monkeypatch):
   _assert_same(load_tensors(tmp_path / "ck" / "model.safetensors.index.json"), tensors)
 
 
+def test_blocks_and_stacked_experts_read_only_their_part(tmp_path):
+  """get(name, index) reads one block; a block of reader.stacked(...) (experts [out, in] -> [E, in, out])
+  reads only the experts it covers, and of each only its block."""
+  rng = np.random.default_rng(0)
+  experts = {f"e.{k}.w": rng.standard_normal((6, 4)).astype(ml_dtypes.bfloat16) for k in range(4)}
+  save_tensors(tmp_path / "x.safetensors", experts)
+  with CheckpointReader(tmp_path / "x.safetensors") as reader:
+    np.testing.assert_array_equal(reader.get("e.1.w", (slice(2, 5), slice(None))), experts["e.1.w"][2:5])
+    read = []
+    get = reader.get
+    reader.get = lambda name, index=None: read.append(name) or get(name, index)
+    stacked = reader.stacked([f"e.{k}.w" for k in range(4)])
+    assert stacked.shape == (4, 4, 6)
+    whole = np.stack([experts[f"e.{k}.w"].T for k in range(4)])
+    block = stacked.read((slice(2, 4), slice(0, 2), slice(3, 6)))
+    assert block.dtype == ml_dtypes.bfloat16 and read == ["e.2.w", "e.3.w"]
+    np.testing.assert_array_equal(block, whole[2:4, 0:2, 3:6])
+    np.testing.assert_array_equal(np.asarray(stacked), whole)
+
+
 def test_missing_files_and_tensors_are_named(tmp_path):
   with pytest.raises(FileNotFoundError, match="nowhere"):
     CheckpointReader(tmp_path / "nowhere")
@@ -158,5 +178,7 @@ def test_fp8_blocks_dequantize_whole_and_sliced(tmp_path):
   got = reader.get("p.weight")
   assert got.dtype == ml_dtypes.bfloat16
   np.testing.assert_array_equal(got, want.astype(ml_dtypes.bfloat16))
+  # A block read alone is dequantized with the scale blocks under it (mesh loads read so).
+  np.testing.assert_array_equal(reader.get("p.weight", (slice(9, 17), slice(13, 29))), got[9:17, 13:29])
   with pytest.raises(ValueError, match=r"scale 'p.weight_scale_inv' has shape \(3, 3\), expected \(2, 3\)"):
     CheckpointReader(tmp_path / "q.safetensors", fp8=Fp8Blocks((16, 12))).get("p.weight")

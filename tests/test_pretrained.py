@@ -15,6 +15,7 @@ import pathlib
 
 import tokenizers
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -23,7 +24,7 @@ from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, Glm4MoeConfig,
 from transformers.modeling_layers import MtpModel
 
 import mtp_jax
-from mtp_jax import cli, pretrained, validate
+from mtp_jax import cli, pretrained, sharding, validate
 from mtp_jax.checkpoint import save_tensors
 
 N_LAYERS, K, V = 2, 2, 64
@@ -449,6 +450,9 @@ def test_nonfinite_weights_are_refused_naming_the_tensor(glm_dir, tmp_path):
   safetensors.torch.save_file(tensors, shard)
   with pytest.raises(validate.InvalidValue, match=rf"'{name}' holds 2 NaN / inf value\(s\).*allow_nonfinite=True"):
     pretrained.load_target(path)
+  # With mesh=, each block is checked as it is read (one device here: one block, the whole tensor).
+  with pytest.raises(validate.InvalidValue, match=rf"'{name}' holds 2 NaN / inf value\(s\) of 1024 in its block"):
+    pretrained.load_target(path, mesh=sharding.make_mesh(1, 1, jax.devices()[:1]))
   target = pretrained.load_target(path, allow_nonfinite=True)
   assert np.isnan(np.asarray(target.layers[1].self_attn.o_proj.weight[...])).any()
   with pytest.raises(validate.InvalidType, match="allow_nonfinite must be a bool"):

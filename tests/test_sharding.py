@@ -2,8 +2,10 @@
 
 pytest's process has one CPU device, so the sharded runs happen in a child process started with
 XLA_FLAGS=--xla_force_host_platform_device_count=4: this file run as a script (`python
-tests/test_sharding.py propose|generate`) prints one JSON line that the tests check. The
-two-process test launches examples/distributed_loopback.py workers on 127.0.0.1.
+tests/test_sharding.py propose|generate|mla|load|fp8 [DIR]`) prints one JSON line that the tests check.
+The two-process test launches examples/distributed_loopback.py workers on 127.0.0.1. Sharded loading
+reads a tiny GLM-4.5-shaped released directory written by benchmarks/bench_sharded_load.py, and a tiny
+block-scaled FP8 DeepSeek-V3 one written by tests/test_pretrained.py.
 """
 
 import json
@@ -16,6 +18,7 @@ import sys
 import jax
 import numpy as np
 import pytest
+from flax import nnx
 
 import mtp_jax
 from mtp_jax import sharding
@@ -31,8 +34,8 @@ def _env(devices: int) -> dict:
   return dict(os.environ, XLA_FLAGS=flags, PYTHONPATH=path, JAX_PLATFORMS="cpu")
 
 
-def _child(what: str, timeout_s: float = 300) -> dict:
-  r = subprocess.run([sys.executable, __file__, what], env=_env(4), capture_output=True, text=True,
+def _child(what: str, *args: str, timeout_s: float = 300) -> dict:
+  r = subprocess.run([sys.executable, __file__, what, *args], env=_env(4), capture_output=True, text=True,
                      timeout=timeout_s)
   assert r.returncode == 0, f"child {what!r} failed:\n{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
   return json.loads(r.stdout.strip().splitlines()[-1])
@@ -132,6 +135,62 @@ def test_errors():
     sharding.param_specs(mtp_jax.init_mtp(cfg), other)
   with pytest.raises(ValueError, match="leading batch axis"):
     sharding.shard_batch(np.float32(1), mesh)
+
+
+def test_param_without_logical_axes_is_refused_by_name():
+  cfg = mtp_jax.MtpConfig(vocab_size=8, hidden_size=8, num_heads=2, num_kv_heads=1, head_dim=4,
+                          intermediate_size=8, num_modules=1)
+  mesh = sharding.make_mesh(1, 1, jax.devices()[:1])
+  model = mtp_jax.init_mtp(cfg)
+  assert sharding.param_specs(model, mesh).layers[0].enorm.weight.get_value() == jax.sharding.PartitionSpec()
+  model.layers[0].enorm.weight = nnx.Param(np.ones(8, np.float32))  # created without its logical axes
+  with pytest.raises(ValueError, match=r"param layers\.0\.enorm\.weight of MtpModel .*declares no logical axes"):
+    sharding.param_specs(model, mesh)
+  with pytest.raises(ValueError, match=r"param layers\.0\.enorm\.weight"):
+    sharding.shard_params(model, mesh)
+  with pytest.raises(ValueError, match="unknown logical axis 'hidden'"):
+    sharding.logical_spec(("hidden",), (8,), mesh)
+
+
+@pytest.fixture(scope="module")
+def load_runs():
+  return _child("load")
+
+
+def test_sharded_load_equals_unsharded(load_runs):
+  # Every param read block by block equals the whole-tensor read, on both meshes.
+  assert load_runs["params_equal"] == {"2x2": True, "1x2x2": True}
+  assert load_runs["sharded"] == load_runs["single"]  # greedy speculative decoding, token for token
+  assert load_runs["accepted"] > 0
+
+
+def test_sharded_load_places_experts_on_the_expert_axis(load_runs):
+  e, fe, d = 4, 16, 32
+  # 2 x 2 mesh: experts over "model"; data x expert x model: over "expert", their width over "model".
+  assert load_runs["experts"]["2x2"] == {"spec": ["model", None, None], "shard": [e // 2, d, fe]}
+  assert load_runs["experts"]["1x2x2"] == {"spec": ["expert", None, "model"], "shard": [e // 2, d, fe // 2]}
+  assert load_runs["q_proj"] == {"spec": ["model", None], "shard": [16, 32]}  # 4 heads x 8 split in 2
+  assert load_runs["router"] == []
+  assert load_runs["expert_mesh_logits_error"] < 1e-4  # the expert-split target computes the same logits
+
+
+def test_block_outputs_constrained_under_use_mesh(load_runs):
+  # Replicated tokens in: the hidden comes out split by batch only because the blocks say so.
+  assert load_runs["hidden_by_batch"] == {"use_mesh": True, "without": False}
+
+
+def test_sharded_fp8_load_equals_unsharded(tmp_path):
+  """An FP8 DeepSeek-V3 directory (16 x 12 scale blocks) loaded with mesh=: each device's block of a
+  weight is dequantized with the scale blocks it covers, also where a block starts inside a scale
+  block (q_b_proj's 48 rows split at 24, experts' 16 rows at 8), and every param equals the unsharded load."""
+  from test_pretrained import _quantize_directory, tiny_deepseek
+
+  tiny_deepseek(tmp_path)
+  assert _quantize_directory(tmp_path) > 20
+  run = _child("fp8", str(tmp_path))
+  assert run["params_equal"] == {"2x2": True, "1x2x2": True}
+  assert run["q_b_proj"] == {"spec": ["model", None], "shard": [24, 24]}
+  assert run["experts"] == {"spec": ["expert", None, "model"], "shard": [2, 32, 8]}
 
 
 def _free_port() -> int:
@@ -287,6 +346,57 @@ def _generate_child() -> dict:
   return {"single": single.tokens, "sharded": sharded.tokens, "accepted": sharded.stats["accepted_tokens"]}
 
 
+def _load_child() -> dict:
+  import tempfile
+
+  sys.path.insert(0, str(ROOT / "benchmarks"))
+  from bench_sharded_load import glm_config, write_released
+
+  P = jax.sharding.PartitionSpec
+  path = tempfile.mkdtemp()
+  write_released(path, glm_config(vocab=64, hidden=32, layers=2, ffn=64, experts=4, expert_ffn=16, heads=4,
+                                  kv_heads=2), dtype="bfloat16")
+  target, proposer, _ = mtp_jax.from_pretrained(path, dtype="float32")
+  meshes = {"2x2": sharding.make_mesh(2, 2), "1x2x2": sharding.make_mesh(1, 2, expert=2)}
+  loaded = {k: mtp_jax.from_pretrained(path, dtype="float32", mesh=m)[:2] for k, m in meshes.items()}
+  leaves = lambda models: [np.asarray(x) for x in jax.tree.leaves(models)]
+  equal = {k: all(np.array_equal(a, b) for a, b in zip(leaves((target, proposer)), leaves(v), strict=True))
+           for k, v in loaded.items()}
+  mesh = meshes["2x2"]
+  st, sp = loaded["2x2"]
+  prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11, 12, 13]]
+  single = mtp_jax.generate(target, proposer, prompts, 12, num_drafts=1)
+  sharded = mtp_jax.generate(st, sp, prompts, 12, num_drafts=1, mesh=mesh)
+  tokens = np.array([[1, 2, 3], [4, 5, 6], [7, 8, 9], [10, 11, 12]], np.int32)
+  rows, valid = np.broadcast_to(np.arange(3, dtype=np.int32), (4, 3)), np.ones((4, 3), bool)
+  hidden = lambda m: jax.jit(lambda m: m(tokens, rows, valid, None)[1])(m)
+  with sharding.use_mesh(mesh):
+    constrained = hidden(st)
+  # 12 rows x 2 experts each > 4 experts: the MoE layer takes the grouped (ragged_dot) path.
+  logits = lambda m: np.asarray(jax.jit(lambda m: m(tokens, rows, valid, None)[0])(m))
+  expert_mesh_error = float(np.max(np.abs(logits(loaded["1x2x2"][0]) - logits(target))))
+  by_batch = lambda x: x.sharding.is_equivalent_to(jax.sharding.NamedSharding(mesh, P("data", None, None)), 3)
+  w = lambda x: {"spec": _spec(x), "shard": _shard_shape(x)}
+  return {"params_equal": equal, "single": single.tokens, "sharded": sharded.tokens,
+          "accepted": sharded.stats["accepted_tokens"],
+          "experts": {k: w(t.layers[1].mlp.experts.gate_proj[...]) for k, (t, _) in loaded.items()},
+          "q_proj": w(st.layers[0].self_attn.q_proj.weight[...]), "router": _spec(st.layers[1].mlp.gate.weight[...]),
+          "hidden_by_batch": {"use_mesh": by_batch(constrained), "without": by_batch(hidden(st))},
+          "expert_mesh_logits_error": expert_mesh_error}
+
+
+def _fp8_child(path: str) -> dict:
+  target, proposer, _ = mtp_jax.from_pretrained(path, dtype="float32")
+  meshes = {"2x2": sharding.make_mesh(2, 2), "1x2x2": sharding.make_mesh(1, 2, expert=2)}
+  loaded = {k: mtp_jax.from_pretrained(path, dtype="float32", mesh=m)[:2] for k, m in meshes.items()}
+  leaves = lambda models: [np.asarray(x) for x in jax.tree.leaves(models)]
+  equal = {k: all(np.array_equal(a, b) for a, b in zip(leaves((target, proposer)), leaves(v), strict=True))
+           for k, v in loaded.items()}
+  w = lambda x: {"spec": _spec(x), "shard": _shard_shape(x)}
+  return {"params_equal": equal, "q_b_proj": w(loaded["2x2"][0].layers[0].self_attn.q_b_proj.weight[...]),
+          "experts": w(loaded["1x2x2"][0].layers[1].mlp.experts.gate_proj[...])}
+
+
 if __name__ == "__main__":
   print(json.dumps({"propose": _propose_child, "generate": _generate_child, "mla": _mla_child,
-                    "paged": _paged_child}[sys.argv[1]]()))
+                    "paged": _paged_child, "load": _load_child, "fp8": _fp8_child}[sys.argv[1]](*sys.argv[2:])))

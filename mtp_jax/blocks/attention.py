@@ -11,7 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.blocks import cache as cache_lib
-from mtp_jax.blocks.linear import Linear
+from mtp_jax.blocks.linear import Linear, param
 from mtp_jax.blocks.masks import TreeRows
 from mtp_jax.blocks.norms import RMSNorm
 from mtp_jax.blocks.rope import apply_rope, inv_frequencies
@@ -25,14 +25,14 @@ class Attention(nnx.Module):
   def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs):
     d, h, hkv, dh, dt = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype
     q_width = 2 * h * dh if cfg.attention_gate else h * dh
-    self.q_proj = Linear(d, q_width, bias=cfg.attention_bias, dtype=dt, rngs=rngs)
-    self.k_proj = Linear(d, hkv * dh, bias=cfg.attention_bias, dtype=dt, rngs=rngs)
-    self.v_proj = Linear(d, hkv * dh, bias=cfg.attention_bias, dtype=dt, rngs=rngs)
-    self.o_proj = Linear(h * dh, d, bias=cfg.attention_out_bias, dtype=dt, rngs=rngs)
-    norm = lambda: RMSNorm(dh, eps=cfg.rms_norm_eps, dtype=dt, unit_offset=cfg.norm_unit_offset)
+    self.q_proj = Linear(d, q_width, axes=("heads", "embed"), bias=cfg.attention_bias, dtype=dt, rngs=rngs)
+    self.k_proj = Linear(d, hkv * dh, axes=("kv_heads", "embed"), bias=cfg.attention_bias, dtype=dt, rngs=rngs)
+    self.v_proj = Linear(d, hkv * dh, axes=("kv_heads", "embed"), bias=cfg.attention_bias, dtype=dt, rngs=rngs)
+    self.o_proj = Linear(h * dh, d, axes=("embed", "heads"), bias=cfg.attention_out_bias, dtype=dt, rngs=rngs)
+    norm = lambda: RMSNorm(dh, eps=cfg.rms_norm_eps, dtype=dt, unit_offset=cfg.norm_unit_offset, axis="head_dim")
     self.q_norm = norm() if cfg.qk_norm else None
     self.k_norm = norm() if cfg.qk_norm else None
-    self.sinks = nnx.Param(jnp.zeros((h,), dt)) if cfg.attention_sinks else None
+    self.sinks = param(jnp.zeros((h,), dt), ("heads",)) if cfg.attention_sinks else None
     self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, dh
     self.gated, self.window, self.interleave = cfg.attention_gate, cfg.sliding_window, cfg.rope_interleave
     inv_freq, self.rope_factor = inv_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)

@@ -5,13 +5,16 @@ from __future__ import annotations
 from flax import nnx
 
 from mtp_jax.blocks.attention import Attention
-from mtp_jax.blocks.masks import TreeRows
 from mtp_jax.blocks.cache import LayerCache
+from mtp_jax.blocks.linear import constrain
+from mtp_jax.blocks.masks import TreeRows
 from mtp_jax.blocks.mla import MlaAttention
 from mtp_jax.blocks.mlp import Mlp
 from mtp_jax.blocks.moe import Moe
 from mtp_jax.blocks.norms import RMSNorm
 from mtp_jax.config import BlockConfig
+
+_HIDDEN = ("batch", None, "embed")  # the residual stream's logical axes
 
 
 class Block(nnx.Module):
@@ -23,7 +26,8 @@ class Block(nnx.Module):
 
   def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs, layer_idx: int | None = None):
     dt = cfg.jnp_dtype
-    norm = lambda: RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dt, unit_offset=cfg.norm_unit_offset)
+    norm = lambda: RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dt, unit_offset=cfg.norm_unit_offset,
+                           axis="embed")
     self.input_layernorm = norm()
     self.self_attn = Attention(cfg, rngs=rngs) if cfg.mla is None else MlaAttention(cfg, rngs=rngs)
     self.post_attention_layernorm = norm()
@@ -34,5 +38,7 @@ class Block(nnx.Module):
                tree: TreeRows | None = None):
     """Same arguments as Attention; returns (dtype[B, T, D], new cache or None)."""
     attn, cache = self.self_attn(self.input_layernorm(x_BxTxD), rows_BxT, valid_BxT, cache, rope_offset, tree)
-    h = x_BxTxD + attn
-    return h + self.mlp(self.post_attention_layernorm(h)), cache
+    # The residual stream stays split by batch between the sublayers (under sharding.use_mesh),
+    # rather than left to GSPMD, which may gather it after a row-parallel o_proj / down_proj.
+    h = constrain(x_BxTxD + attn, _HIDDEN)
+    return constrain(h + self.mlp(self.post_attention_layernorm(h)), _HIDDEN), cache

@@ -34,19 +34,20 @@ class MlaAttention(nnx.Module):
   def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs):
     m, d, h, dt = cfg.mla, cfg.hidden_size, cfg.num_heads, cfg.jnp_dtype
     dq = m.qk_nope_head_dim + m.qk_rope_head_dim
-    lin = lambda i, o, bias=False: Linear(i, o, bias=bias, dtype=dt, rngs=rngs)
+    lin = lambda i, o, axes, bias=False: Linear(i, o, axes=axes, bias=bias, dtype=dt, rngs=rngs)
     if m.q_lora_rank is None:
-      self.q_proj = lin(d, h * dq)
+      self.q_proj = lin(d, h * dq, ("heads", "embed"))
       self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
     else:
       self.q_proj = None
-      self.q_a_proj = lin(d, m.q_lora_rank, cfg.attention_bias)
-      self.q_a_layernorm = RMSNorm(m.q_lora_rank, eps=_LORA_NORM_EPS, dtype=dt)
-      self.q_b_proj = lin(m.q_lora_rank, h * dq)
-    self.kv_a_proj_with_mqa = lin(d, m.kv_lora_rank + m.qk_rope_head_dim, cfg.attention_bias)
-    self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, eps=_LORA_NORM_EPS, dtype=dt)
-    self.kv_b_proj = lin(m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim))
-    self.o_proj = lin(h * m.v_head_dim, d, cfg.attention_bias)
+      self.q_a_proj = lin(d, m.q_lora_rank, ("q_lora", "embed"), cfg.attention_bias)
+      self.q_a_layernorm = RMSNorm(m.q_lora_rank, eps=_LORA_NORM_EPS, dtype=dt, axis="q_lora")
+      self.q_b_proj = lin(m.q_lora_rank, h * dq, ("heads", "q_lora"))
+    # The latent (and the shared rope key) feeds every head: never split.
+    self.kv_a_proj_with_mqa = lin(d, m.kv_lora_rank + m.qk_rope_head_dim, ("kv_lora", "embed"), cfg.attention_bias)
+    self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, eps=_LORA_NORM_EPS, dtype=dt, axis="kv_lora")
+    self.kv_b_proj = lin(m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim), ("heads", "kv_lora"))
+    self.o_proj = lin(h * m.v_head_dim, d, ("embed", "heads"), cfg.attention_bias)
     self.num_heads, self.mla, self.window = h, m, cfg.sliding_window
     inv_freq, self.rope_factor = inv_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
     self.inv_freq, self.interleave = tuple(inv_freq.tolist()), cfg.rope_interleave

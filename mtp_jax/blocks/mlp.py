@@ -14,9 +14,9 @@ class Mlp(nnx.Module):
 
   def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs, intermediate_size: int | None = None):
     d, f, dt = cfg.hidden_size, intermediate_size or cfg.intermediate_size, cfg.jnp_dtype
-    self.gate_proj = Linear(d, f, dtype=dt, rngs=rngs)
-    self.up_proj = Linear(d, f, dtype=dt, rngs=rngs)
-    self.down_proj = Linear(f, d, dtype=dt, rngs=rngs)
+    self.gate_proj = Linear(d, f, axes=("mlp", "embed"), dtype=dt, rngs=rngs)
+    self.up_proj = Linear(d, f, axes=("mlp", "embed"), dtype=dt, rngs=rngs)
+    self.down_proj = Linear(f, d, axes=("embed", "mlp"), dtype=dt, rngs=rngs)
 
   def __call__(self, x_BxTxD):
     return self.down_proj(jax.nn.silu(self.gate_proj(x_BxTxD)) * self.up_proj(x_BxTxD))

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax.blocks.linear import Linear, normal
+from mtp_jax.blocks.linear import Linear, normal, param
 from mtp_jax.blocks.mlp import Mlp
 from mtp_jax.config import BlockConfig, MoeConfig
 
@@ -61,10 +61,11 @@ class Router(nnx.Module):
 
   def __init__(self, cfg: MoeConfig, hidden_size: int, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.weight = nnx.Param(normal(rngs, (cfg.num_experts, hidden_size), hidden_size**-0.5, jnp.float32))
+    # Every device routes its own rows over all experts: the router is never split.
+    self.weight = param(normal(rngs, (cfg.num_experts, hidden_size), hidden_size**-0.5, jnp.float32), (None, "embed"))
     # Set by balancing statistics, not by gradients: route() uses it only under top_k, so its
     # gradient is zero and AdamW (which decays matrices only) leaves it unchanged.
-    self.e_score_correction_bias = (nnx.Param(jnp.zeros((cfg.num_experts,), jnp.float32))
+    self.e_score_correction_bias = (param(jnp.zeros((cfg.num_experts,), jnp.float32), (None,))
                                     if cfg.e_score_correction_bias else None)
 
   def __call__(self, x_NxD: jax.Array):
@@ -84,9 +85,9 @@ class Experts(nnx.Module):
 
   def __init__(self, cfg: MoeConfig, hidden_size: int, dtype, *, rngs: nnx.Rngs):
     e, d, f = cfg.num_experts, hidden_size, cfg.moe_intermediate_size
-    self.gate_proj = nnx.Param(normal(rngs, (e, d, f), d**-0.5, dtype))
-    self.up_proj = nnx.Param(normal(rngs, (e, d, f), d**-0.5, dtype))
-    self.down_proj = nnx.Param(normal(rngs, (e, f, d), f**-0.5, dtype))
+    self.gate_proj = param(normal(rngs, (e, d, f), d**-0.5, dtype), ("experts", "embed", "expert_mlp"))
+    self.up_proj = param(normal(rngs, (e, d, f), d**-0.5, dtype), ("experts", "embed", "expert_mlp"))
+    self.down_proj = param(normal(rngs, (e, f, d), f**-0.5, dtype), ("experts", "expert_mlp", "embed"))
 
   def __call__(self, x_NxD, weights_NxK, experts_NxK, path: str):
     """sum_k weights[n, k] * expert_{experts[n, k]}(x[n]): dtype[N, D], via `path` (see PATHS)."""
@@ -129,7 +130,7 @@ class Moe(nnx.Module):
     self.experts = Experts(moe, d, cfg.jnp_dtype, rngs=rngs)
     if moe.shared_expert_gate:
       self.shared_expert = Mlp(cfg, rngs=rngs, intermediate_size=moe.shared_width)
-      self.shared_expert_gate = Linear(d, 1, dtype=cfg.jnp_dtype, rngs=rngs)
+      self.shared_expert_gate = Linear(d, 1, axes=(None, "embed"), dtype=cfg.jnp_dtype, rngs=rngs)
     elif moe.n_shared_experts:
       self.shared_experts = Mlp(cfg, rngs=rngs, intermediate_size=moe.shared_width)
 
