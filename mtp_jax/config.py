@@ -173,6 +173,8 @@ class BlockConfig:
   mla: MlaConfig | None = None  # MLA attention instead of GQA (num_kv_heads, head_dim unused)
   sliding_window: int | None = None  # a query attends to itself and the window - 1 rows before it
   attention_sinks: bool = False  # a learned per-head logit in the softmax denominator (MiMo-V2-Flash)
+  v_head_dim: int | None = None  # per-head value / attention-output width; None: head_dim (MiMo-V2-Flash 128 vs 192)
+  attention_value_scale: float | None = None  # values (cached ones too) multiplied by it; None: 1 (MiMo-V2-Flash)
   dtype: str = "float32"  # weights, activations and KV caches
   moe: MoeConfig | None = None  # the FFN is a mixture of experts (see MoeConfig) instead of the dense MLP
 
@@ -196,9 +198,16 @@ class BlockConfig:
                                   f"= {self.rotary_dim}) must be even and positive")
     if self.sliding_window is not None:
       _check_positive(type(self).__name__, sliding_window=self.sliding_window)
+    if self.v_head_dim is not None:
+      _check_positive(type(self).__name__, v_head_dim=self.v_head_dim)
+      if self.attention_gate and self.v_head_dim != self.head_dim:  # the gate is head_dim wide per head
+        raise validate.InvalidValue(f"{cls}.v_head_dim", f"{cls}.v_head_dim ({self.v_head_dim}) must equal head_dim "
+                                    f"({self.head_dim}) with attention_gate")
+    if self.attention_value_scale is not None:
+      validate.real(f"{cls}.attention_value_scale", self.attention_value_scale, 0.0, lo_open=True)
     if self.mla is not None:
-      unsupported = [n for n in ("qk_norm", "attention_gate", "attention_out_bias", "attention_sinks")
-                     if getattr(self, n)]
+      unsupported = [n for n in ("qk_norm", "attention_gate", "attention_out_bias", "attention_sinks", "v_head_dim",
+                                 "attention_value_scale") if getattr(self, n)]
       if self.partial_rotary_factor != 1.0:
         unsupported.append("partial_rotary_factor")
       if unsupported:
@@ -215,6 +224,11 @@ class BlockConfig:
     if self.mla is not None:
       return self.mla.qk_rope_head_dim
     return int(self.head_dim * self.partial_rotary_factor)
+
+  @property
+  def value_dim(self) -> int:
+    """Dv, the width of each GQA value head (v_head_dim, default head_dim)."""
+    return self.v_head_dim or self.head_dim
 
   @property
   def jnp_dtype(self):

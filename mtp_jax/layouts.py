@@ -66,10 +66,14 @@ _POSITIVE_INTS = ("num_hidden_layers", "num_layers", "num_key_value_heads", "hea
                   "ffn_hidden_size", "n_routed_experts", "num_experts", "num_experts_per_tok", "moe_intermediate_size",
                   "shared_expert_intermediate_size",
                   "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
-                  "topk_group", "max_position_embeddings") + _NUM_MTP_KEYS
+                  "topk_group", "max_position_embeddings",
+                  "swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim",
+                  "swa_v_head_dim") + _NUM_MTP_KEYS
 _COUNTS = ("n_shared_experts", "first_k_dense_replace")
-_POSITIVE_REALS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor", "routed_scaling_factor")
-_FLAGS = ("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_prob", "rope_interleave", "use_bias")
+_POSITIVE_REALS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor", "routed_scaling_factor",
+                   "layernorm_epsilon", "swa_rope_theta", "attention_value_scale")
+_FLAGS = ("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_prob", "rope_interleave", "use_bias",
+          "add_swa_attention_sink_bias")
 _OBJECTS = ("rope_scaling", "rope_parameters", "quantization_config")
 
 
@@ -109,6 +113,8 @@ def check_hf_config(config: Mapping, file: str = "config.json") -> Mapping:
   for key in _FLAGS:
     if config.get(key) is not None:
       validate.flag(f"{file}: {key}", config[key])
+  if config.get("sliding_window_size") is not None:  # MiMo-V2-Flash; -1 means no window, as its engines read it
+    validate.integer(f"{file}: sliding_window_size", config["sliding_window_size"], -1)
   for key in _OBJECTS:
     if config.get(key) is not None and not isinstance(config[key], Mapping):
       raise validate.InvalidType(f"{file}: {key}", f"{file}: {key} must be a JSON object or null, "
@@ -233,8 +239,8 @@ def config_from_hf(config: Mapping | str | os.PathLike, *, layout: str | None = 
   """An MtpConfig from an HF config.json (dict or path), or from one written by save_canonical.
 
   The chain conventions are the family's (`Family.conventions`, by model_type, else by `layout`);
-  a config of neither keeps MtpConfig's defaults. Settings mtp_jax cannot honour (RoPE
-  scaling, partial rotary, non-SiLU MLPs) raise ValueError.
+  a config of neither keeps MtpConfig's defaults. A family's `mtp_blocks` overrides block fields.
+  Settings mtp_jax cannot honour (RoPE scaling other than YaRN, non-SiLU MLPs) raise ValueError.
   """
   config = _load_json(config)
   if "mtp_jax" in config:
@@ -243,7 +249,10 @@ def config_from_hf(config: Mapping | str | os.PathLike, *, layout: str | None = 
   num_modules = next((config[k] for k in _NUM_MTP_KEYS if config.get(k)), family.num_mtp if family else None)
   if num_modules is None:
     raise ValueError(f"config has no MTP modules (none of {_NUM_MTP_KEYS} is set and positive)")
-  return MtpConfig(**block_kwargs_from_hf(config), vocab_size=config["vocab_size"], num_modules=num_modules,
+  blocks = block_kwargs_from_hf(config)
+  if family is not None and family.mtp_blocks is not None:
+    blocks |= family.mtp_blocks(config)
+  return MtpConfig(**blocks, vocab_size=config["vocab_size"], num_modules=num_modules,
                    **conventions(family_of(config, layout)))
 
 

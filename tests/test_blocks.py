@@ -65,18 +65,22 @@ def test_qwen3_next_gated_attention(bias):
   _check(ours, m.Qwen3NextAttention(cfg, 3), m.Qwen3NextRotaryEmbedding(cfg))
 
 
-def test_mimo_v2_flash_sliding_window_sinks():
+@pytest.mark.parametrize("dv, value_scale", [(12, None), (8, 0.707)])
+def test_mimo_v2_flash_sliding_window_sinks(dv, value_scale):
+  """A sliding layer (kv heads doubled there) with sinks; values of their own width and scaled, as
+  released (v_head_dim 128 vs head_dim 192, attention_value_scale 0.707)."""
   from transformers.models.mimo_v2_flash import modeling_mimo_v2_flash as m
   dh, window = 12, 3
   cfg = m.MiMoV2FlashConfig(hidden_size=D, num_attention_heads=H, num_key_value_heads=1, head_dim=dh,
-                            v_head_dim=dh, num_hidden_layers=2, sliding_window=window,
+                            v_head_dim=dv, num_hidden_layers=2, sliding_window=window,
                             layer_types=["full_attention", "sliding_attention"],
-                            attention_value_scale=None)
+                            attention_value_scale=value_scale)
   cfg._attn_implementation = "eager"
   rope = cfg.rope_parameters["sliding_attention"]
   ours = BlockConfig(hidden_size=D, num_heads=H, num_kv_heads=2, head_dim=dh, intermediate_size=8,
                      rope_theta=rope["rope_theta"], partial_rotary_factor=rope["partial_rotary_factor"],
-                     sliding_window=window, attention_sinks=True)
+                     sliding_window=window, attention_sinks=True, v_head_dim=dv,
+                     attention_value_scale=value_scale)
   rotary = m.MiMoV2FlashRotaryEmbedding(cfg)
   _check(ours, m.MiMoV2FlashAttention(cfg, 1), lambda x, p: rotary(x, p, "sliding_attention"),
          window=window)
@@ -143,6 +147,15 @@ def test_unsupported_settings_fail_at_config_time():
     BlockConfig(**base, partial_rotary_factor=0.2)
   with pytest.raises(ValueError, match="sliding_window"):
     BlockConfig(**base, sliding_window=0)
+  for field, bad in [("v_head_dim", 0), ("attention_value_scale", 0.0), ("attention_value_scale", float("inf"))]:
+    with pytest.raises(ValueError, match=field) as e:
+      BlockConfig(**base, **{field: bad})
+    assert e.value.argument == f"BlockConfig.{field}"
+  with pytest.raises(ValueError, match="v_head_dim .6. must equal head_dim .8. with attention_gate"):
+    BlockConfig(**base, attention_gate=True, v_head_dim=6)
+  mla = MlaConfig(kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=2, v_head_dim=4)
+  with pytest.raises(ValueError, match="v_head_dim, attention_value_scale cannot be combined with mla"):
+    BlockConfig(**base, mla=mla, v_head_dim=6, attention_value_scale=0.5)
 
 
 def test_mla_config_and_weights_round_trip_through_a_checkpoint(tmp_path):

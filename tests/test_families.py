@@ -11,6 +11,8 @@ written from the engines' forward, on tiny random released directories.
   token_layernorm(e))) (hidden first), a Qwen2 block, final_layernorm handed on and scored.
 - Qwen3-Next: vLLM model_executor/models/qwen3_next_mtp.py (see Qwen3NextRefMtp below).
 - LongCat-Flash: vLLM model_executor/models/longcat_flash_mtp.py (see LongcatRefMtp below).
+- MiMo-V2-Flash: SGLang srt/models/mimo_v2_nextn.py and vLLM model_executor/models/mimo_v2_mtp.py
+  (see MiMoV2RefMtp below).
 Depths past the released module count reuse module 0 (vLLM: spec_step_idx % num_mtp_layers).
 """
 
@@ -25,6 +27,7 @@ import torch
 from transformers import (Ernie4_5Config, Ernie4_5ForCausalLM, Ernie4_5_MoeConfig, Ernie4_5_MoeForCausalLM,
                           LongcatFlashConfig, Qwen2Config, Qwen2ForCausalLM, Qwen3_5Config, Qwen3NextConfig)
 from transformers.models.longcat_flash import modeling_longcat_flash as longcat
+from transformers.models.mimo_v2_flash import modeling_mimo_v2_flash as mimo_v2
 from transformers.models.qwen3_next import modeling_qwen3_next as qwen3_next
 from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen3_5
 from transformers.models.ernie4_5.modeling_ernie4_5 import Ernie4_5DecoderLayer, Ernie4_5RMSNorm
@@ -452,6 +455,112 @@ def test_longcat_mtp_equals_engine_reference(tmp_path):
 
   # Drafts go through the latent cache (absorbed form, scaled latent stored): the reference's greedy chain.
   _check_chain_and_drafts(proposer, cfg, ref, hidden, toks, embed, lm_head, LC_DEPTHS)
+
+
+MV2_DEPTHS, MV2_WINDOW = 2, 3  # sliding_window_size: each query sees itself and 3 rows before
+
+
+class MiMoV2RefMtp(torch.nn.Module):
+  """MiMo-V2-Flash's MTP module as SGLang srt/models/mimo_v2_nextn.py (MiMoV2ModelNextN.forward,
+  MiMoV2MTPLayer) and vLLM model_executor/models/mimo_v2_mtp.py (MiMoV2MTPLayer.forward) wire it:
+  eh_proj(concat(enorm(e), hnorm(h))) (embedding first, no position-0 mask), input_layernorm, the
+  sliding-window attention built from the swa_* keys, pre_mlp_layernorm, a dense SiLU MLP, then
+  final_layernorm(h), handed on and scored by the main lm_head. The attention is transformers'
+  MiMoV2FlashAttention as a sliding layer (kv heads doubled there, as swa_num_key_value_heads is;
+  v_head_dim values scaled by attention_value_scale; sinks), its window sliding_window_size + 1
+  rows (SGLang's flash-attention window (W, 0)); transformers' masking rule, key > query - window."""
+
+  def __init__(self, config):
+    super().__init__()
+    norm = lambda: mimo_v2.MiMoV2FlashRMSNorm(D, eps=config.rms_norm_eps)
+    self.enorm, self.hnorm, self.final_layernorm = norm(), norm(), norm()
+    self.eh_proj = torch.nn.Linear(2 * D, D, bias=False)
+    self.input_layernorm, self.pre_mlp_layernorm = norm(), norm()
+    self.self_attn = mimo_v2.MiMoV2FlashAttention(config, 1)
+    self.mlp = mimo_v2.MiMoV2FlashMLP(config)
+    rotary = mimo_v2.MiMoV2FlashRotaryEmbedding(config)
+    self.rotary = lambda x, p: rotary(x, p, "sliding_attention")
+
+  def released(self):
+    """name -> tensor under the released model.mtp.layers.0.* names (sinks as attention_sink_bias)."""
+    return {f"model.mtp.layers.0.{n.replace('self_attn.sinks', 'self_attn.attention_sink_bias')}":
+            p.detach().numpy() for n, p in self.named_parameters()}
+
+  def forward(self, emb, h, positions):
+    """emb, h: float32[1, T, D]; positions: int[1, T]; returns the normed hidden float32[1, T, D]."""
+    x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], -1))
+    t, window = x.shape[1], self.self_attn.sliding_window
+    q, k = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    mask = torch.where((k <= q) & (k > q - window), 0.0, float("-inf"))[None, None]
+    x = x + self.self_attn(self.input_layernorm(x), self.rotary(x, positions), mask)[0]
+    x = x + self.mlp(self.pre_mlp_layernorm(x))
+    return self.final_layernorm(x)
+
+
+def _mimo_v2_flash_dir(path, value_scale=0.707):
+  """A tiny MiMo-V2-Flash directory as released (config.json keys as the engines read them, MTP
+  tensors at model.mtp.layers.0.*); returns (reference module, embed, lm_head)."""
+  hf = dict(model_type="mimo_v2_flash", architectures=["MiMoV2FlashForCausalLM"], vocab_size=V, hidden_size=D,
+            intermediate_size=48, num_hidden_layers=2, hybrid_layer_pattern=[0, 1], num_attention_heads=4,
+            num_key_value_heads=1, head_dim=16, v_head_dim=8, swa_num_attention_heads=4, swa_num_key_value_heads=2,
+            swa_head_dim=12, swa_v_head_dim=8, rope_theta=5e6, swa_rope_theta=500.0, partial_rotary_factor=0.334,
+            sliding_window_size=MV2_WINDOW, add_swa_attention_sink_bias=True, add_full_attention_sink_bias=False,
+            attention_value_scale=value_scale, layernorm_epsilon=1e-5, hidden_act="silu", attention_bias=False,
+            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_nextn_predict_layers=1,
+            max_position_embeddings=256, tie_word_embeddings=False)
+  # transformers' config for the sliding layer: num_key_value_heads doubled there, rope per layer type.
+  config = mimo_v2.MiMoV2FlashConfig(
+      vocab_size=V, hidden_size=D, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+      num_key_value_heads=1, head_dim=12, v_head_dim=8, layer_types=["full_attention", "sliding_attention"],
+      sliding_window_size=MV2_WINDOW, attention_value_scale=value_scale, rms_norm_eps=1e-5,
+      rope_parameters={t: {"rope_type": "default", "rope_theta": 500.0, "partial_rotary_factor": 0.334}
+                       for t in ("full_attention", "sliding_attention")})
+  config._attn_implementation = "eager"
+  assert config.sliding_window == MV2_WINDOW + 1
+  ref = MiMoV2RefMtp(config).eval()
+  _init_all(ref, 6)
+  rng = np.random.default_rng(7)
+  embed = rng.standard_normal((V, D)).astype(np.float32)
+  lm_head = (rng.standard_normal((V, D)) / D ** 0.5).astype(np.float32)
+  save_tensors(path / "model.safetensors", ref.released() | {"model.embed_tokens.weight": embed,
+                                                             "lm_head.weight": lm_head})
+  (path / "config.json").write_text(json.dumps(hf))
+  return ref, embed, lm_head
+
+
+def test_mimo_v2_flash_mtp_equals_engine_reference(tmp_path):
+  """MTP only (mtp_jax builds no MiMo-V2-Flash target): q / k heads of 12, v heads of 8, values
+  scaled by 0.707, a window of sliding_window_size + 1 rows with sinks; the config's routed experts
+  leave the MTP block dense. The chain runs past the window (10 rows > 4), so the window counts."""
+  ref, embed, lm_head = _mimo_v2_flash_dir(tmp_path)
+  proposer = load_mtp(tmp_path, dtype="float32", max_depth=MV2_DEPTHS)
+  cfg = proposer.cfg
+  assert (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.value_dim) == (4, 2, 12, 8)
+  assert (cfg.attention_value_scale, cfg.sliding_window, cfg.attention_sinks) == (0.707, MV2_WINDOW + 1, True)
+  assert (cfg.rope_theta, cfg.rotary_dim, cfg.rms_norm_eps, cfg.moe) == (500.0, 4, 1e-5, None)
+  assert {k: getattr(cfg, k) for k in layouts.conventions("mimo_v2_flash")} == layouts.conventions("mimo_v2_flash")
+  with pytest.raises(NotImplementedError, match="'mimo_v2_flash' has no target.*sliding-window"):
+    mtp_jax.load_target(tmp_path)
+  rng = np.random.default_rng(8)
+  n = 10
+  toks = rng.integers(0, V, (1, n + MV2_DEPTHS))
+  hidden = rng.standard_normal((1, n, D)).astype(np.float32)
+  _check_chain_and_drafts(proposer, cfg, ref, hidden, toks, embed, lm_head, MV2_DEPTHS)
+
+
+def test_mimo_v2_flash_value_scale_is_applied(tmp_path):
+  """The same directory read without attention_value_scale gives other logits (by far more than the
+  reference test's tolerance), so a dropped scale cannot pass test_mimo_v2_flash_mtp_equals_engine_reference."""
+  _mimo_v2_flash_dir(tmp_path)
+  hidden = np.random.default_rng(9).standard_normal((1, 6, D)).astype(np.float32)
+  toks = jnp.asarray(np.random.default_rng(9).integers(0, V, (1, 6)), jnp.int32)
+  scaled = load_mtp(tmp_path, dtype="float32")
+  hf = json.loads((tmp_path / "config.json").read_text())
+  (tmp_path / "config.json").write_text(json.dumps({k: v for k, v in hf.items() if k != "attention_value_scale"}))
+  plain = load_mtp(tmp_path, dtype="float32")
+  assert plain.cfg.attention_value_scale is None
+  got = [np.asarray(mtp_jax.forward_chain(m, jnp.asarray(hidden), toks)) for m in (scaled, plain)]
+  assert np.max(np.abs(got[0] - got[1])) > 1e-2
 
 
 def _check_chain_and_drafts(proposer, cfg, ref, hidden, toks, embed, lm_head, depths):

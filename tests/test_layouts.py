@@ -7,6 +7,7 @@ import pytest
 from mtp_jax import families, layouts
 from mtp_jax.checkpoint import CheckpointReader, save_tensors
 from mtp_jax.config import MlaConfig, MtpConfig
+from mtp_jax.validate import InvalidType, InvalidValue
 
 D, H, HKV, DH, F, V, K = 16, 2, 1, 8, 32, 50, 2
 NUM_LAYERS = 3  # target layers before the MTP ones in the deepseek layout
@@ -316,6 +317,33 @@ def test_config_from_hf(tmp_path):
                      ({"num_nextn_predict_layers": 0}, "MTP")]:
     with pytest.raises(ValueError, match=match):
       layouts.config_from_hf({**config, **bad})
+
+
+def test_mimo_v2_flash_mtp_attention_from_config():
+  """MiMo-V2-Flash's MTP block reads the swa_* keys (families/mimo_v2_flash.py says where from):
+  window sliding_window_size + 1 rows (-1: none), v heads swa_head_dim wide without swa_v_head_dim,
+  eps layernorm_epsilon; missing or bad keys are named."""
+  config = {**hf_config("deepseek", tiny_cfg()), "model_type": "mimo_v2_flash", "swa_num_attention_heads": 4,
+            "swa_num_key_value_heads": 2, "swa_head_dim": 12, "swa_v_head_dim": 8, "sliding_window_size": 5,
+            "attention_value_scale": 0.5, "add_swa_attention_sink_bias": True, "layernorm_epsilon": 1e-5,
+            "swa_rope_theta": 100.0, "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8}
+  got = layouts.config_from_hf(config)
+  assert (got.num_heads, got.num_kv_heads, got.head_dim, got.value_dim, got.sliding_window) == (4, 2, 12, 8, 6)
+  assert (got.attention_value_scale, got.attention_sinks, got.rms_norm_eps, got.rope_theta) == (0.5, True, 1e-5, 100.0)
+  assert got.moe is None
+  slim = {k: v for k, v in config.items() if k not in ("swa_v_head_dim", "attention_value_scale", "swa_rope_theta",
+                                                       "add_swa_attention_sink_bias")}
+  got = layouts.config_from_hf({**slim, "sliding_window_size": -1})
+  assert (got.value_dim, got.sliding_window, got.attention_value_scale, got.attention_sinks) == (12, None, None, False)
+  assert got.rope_theta == config["rope_theta"]
+  with pytest.raises(InvalidValue, match="swa_head_dim") as e:
+    layouts.config_from_hf({k: v for k, v in config.items() if k != "swa_head_dim"})
+  assert e.value.argument == "config.json: swa_head_dim"
+  for key, bad in [("attention_value_scale", -1.0), ("swa_v_head_dim", 0), ("sliding_window_size", -2),
+                   ("add_swa_attention_sink_bias", 1)]:
+    with pytest.raises((InvalidValue, InvalidType)) as e:
+      layouts.check_hf_config({**config, key: bad})
+    assert e.value.argument == f"config.json: {key}"
 
 
 def test_save_canonical_round_trip(tmp_path):

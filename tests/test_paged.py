@@ -116,24 +116,27 @@ def test_generate_paged_equals_contiguous_and_stops_sequences_out_of_pages():
     assert got == want if i not in stopped else (len(got) < len(want) and got == want[:len(got)])
 
 
-@pytest.mark.parametrize("window, sinks", [(None, False), (5, True)])
-def test_attend_over_the_pages_in_use_equals_the_dense_view(window, sinks):
+@pytest.mark.parametrize("window, sinks, dv", [(None, False, 8), (5, True, 6)])
+def test_attend_over_the_pages_in_use_equals_the_dense_view(window, sinks, dv):
   """Slots holding 2, 0 and 3 pages of a shuffled pool whose other rows hold NaN, read with a
   budget of exactly the 5 pages in use and with padding: attention.py's dense softmax over the
-  [B, max_len] view, and no NaN."""
+  [B, max_len] view, and no NaN. dv: the value heads' width (MiMo-V2-Flash's differs from k's)."""
   b, t, hkv, g, dh, ps = 3, 4, 2, 2, 8, 4
   rng = np.random.default_rng(0)
   pages = Pages.create(b, 16, ps, 9)
   pages = pages.ensure(jnp.array([8, 0, 12]))
   pool = rng.normal(size=(9, ps, hkv, dh)).astype(np.float32)
+  v_pool = rng.normal(size=(9, ps, hkv, dv)).astype(np.float32)
   rows = np.array([[4, 5, 6, 7], [0, 1, 2, 3], [8, 9, 10, 11]], np.int32)
   valid = np.array([[1, 1, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]], bool)  # slot 0's row 7 is stale
   held = np.asarray(pages.table)[[0, 0, 2, 2, 2], [0, 1, 0, 1, 2]]
   pool[np.setdiff1d(np.arange(9), held)] = np.nan
+  v_pool[np.setdiff1d(np.arange(9), held)] = np.nan
   q = jnp.asarray(rng.normal(size=(b, t, hkv, g, dh)), jnp.float32)
-  kv = jnp.asarray(rng.normal(size=(2, b, t, hkv, dh)), jnp.float32)
+  kv = (jnp.asarray(rng.normal(size=(b, t, hkv, dh)), jnp.float32),
+        jnp.asarray(rng.normal(size=(b, t, hkv, dv)), jnp.float32))
   sinks_KxG = jnp.asarray(rng.normal(size=(hkv, g)), jnp.float32) if sinks else None
-  cache = PagedKVCache(jnp.asarray(pool), jnp.asarray(pool), None, 4)
+  cache = PagedKVCache(jnp.asarray(pool), jnp.asarray(v_pool), None, 4)
   _, (k_view, v_view), key_rows = cache.bound(pages).update(rows, valid, kv[0], kv[1])
   scores = jnp.einsum("btkgd,bskd->bkgts", q, k_view) * dh**-0.5
   probs = attention_probs(scores, causal_mask(rows, key_rows, window=window), sinks_KxG=sinks_KxG)

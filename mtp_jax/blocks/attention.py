@@ -1,7 +1,8 @@
 """Causal GQA self-attention with RoPE over a cache (see cache.py) or over its own rows.
 
 Options (BlockConfig): q, k, v biases and an o_proj bias; per-head q / k RMSNorm before RoPE;
-Qwen3-Next's output gate; a sliding window; learned attention sinks.
+Qwen3-Next's output gate; a sliding window; learned attention sinks; value heads of their own
+width (v_head_dim) and a constant value scale (MiMo-V2-Flash).
 """
 
 from __future__ import annotations
@@ -19,21 +20,23 @@ from mtp_jax.config import BlockConfig
 
 
 class Attention(nnx.Module):
-  """Causal GQA self-attention with RoPE; its cache (`KVCache` k, v dtype[B, L, Hkv, Dh], or pages
-  of them) attends (`LayerCache.attend`)."""
+  """Causal GQA self-attention with RoPE; its cache (`KVCache` k dtype[B, L, Hkv, Dh], v
+  dtype[B, L, Hkv, Dv], or pages of them) attends (`LayerCache.attend`)."""
 
   def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs):
     d, h, hkv, dh, dt = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_dtype
+    dv = cfg.value_dim
     q_width = 2 * h * dh if cfg.attention_gate else h * dh
     self.q_proj = Linear(d, q_width, axes=("heads", "embed"), bias=cfg.attention_bias, dtype=dt, rngs=rngs)
     self.k_proj = Linear(d, hkv * dh, axes=("kv_heads", "embed"), bias=cfg.attention_bias, dtype=dt, rngs=rngs)
-    self.v_proj = Linear(d, hkv * dh, axes=("kv_heads", "embed"), bias=cfg.attention_bias, dtype=dt, rngs=rngs)
-    self.o_proj = Linear(h * dh, d, axes=("embed", "heads"), bias=cfg.attention_out_bias, dtype=dt, rngs=rngs)
+    self.v_proj = Linear(d, hkv * dv, axes=("kv_heads", "embed"), bias=cfg.attention_bias, dtype=dt, rngs=rngs)
+    self.o_proj = Linear(h * dv, d, axes=("embed", "heads"), bias=cfg.attention_out_bias, dtype=dt, rngs=rngs)
     norm = lambda: RMSNorm(dh, eps=cfg.rms_norm_eps, dtype=dt, unit_offset=cfg.norm_unit_offset, axis="head_dim")
     self.q_norm = norm() if cfg.qk_norm else None
     self.k_norm = norm() if cfg.qk_norm else None
     self.sinks = param(jnp.zeros((h,), dt), ("heads",)) if cfg.attention_sinks else None
-    self.num_heads, self.num_kv_heads, self.head_dim = h, hkv, dh
+    self.num_heads, self.num_kv_heads, self.head_dim, self.value_dim = h, hkv, dh, dv
+    self.value_scale = cfg.attention_value_scale
     self.gated, self.window, self.interleave = cfg.attention_gate, cfg.sliding_window, cfg.rope_interleave
     inv_freq, self.rope_factor = inv_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
     self.inv_freq = tuple(inv_freq.tolist())  # static module data, not a param
@@ -53,7 +56,7 @@ class Attention(nnx.Module):
       (dtype[B, T, D], new cache or None).
     """
     b, t, _ = x_BxTxD.shape
-    hkv, dh = self.num_kv_heads, self.head_dim
+    hkv, dh, dv = self.num_kv_heads, self.head_dim, self.value_dim
     g = self.num_heads // hkv
     pos_BxT = rows_BxT + rope_offset
     q = self.q_proj(x_BxTxD).reshape(b, t, hkv * g, -1)
@@ -64,12 +67,14 @@ class Attention(nnx.Module):
       q, k = self.q_norm(q), self.k_norm(k)
     q, k = (apply_rope(a, pos_BxT, self.inv_freq, interleave=self.interleave,
                        attention_factor=self.rope_factor) for a in (q, k))
-    v = self.v_proj(x_BxTxD).reshape(b, t, hkv, dh)
+    v = self.v_proj(x_BxTxD).reshape(b, t, hkv, dv)
+    if self.value_scale is not None:  # before the cache write, as vLLM / SGLang scale v (cached values scaled)
+      v = v * jnp.asarray(self.value_scale, v.dtype)
     q = q.reshape(b, t, hkv, g, dh)
     sinks = None if self.sinks is None else self.sinks[...].reshape(hkv, g)
     new_cache, out = cache_lib.or_none(cache).attend(q, k, v, rows_BxT, valid_BxT, window=self.window,
                                                      sinks_KxG=sinks, tree=tree)
-    out = out.reshape(b, t, hkv * g, dh).astype(x_BxTxD.dtype)
+    out = out.reshape(b, t, hkv * g, dv).astype(x_BxTxD.dtype)
     if self.gated:
       out = out * jax.nn.sigmoid(gate_BxTxHxDh)
-    return self.o_proj(out.reshape(b, t, hkv * g * dh)), new_cache
+    return self.o_proj(out.reshape(b, t, hkv * g * dv)), new_cache

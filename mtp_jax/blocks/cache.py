@@ -81,8 +81,8 @@ class LayerCache:
 
   def attend(self, q_BxTxKxGxDh, k_BxTxKxDh, v_BxTxKxDh, rows_BxT, valid_BxT, *, window: int | None = None,
              sinks_KxG: jax.Array | None = None, tree: TreeRows | None = None):
-    """GQA attention: writes this call's k, v dtype[B, T, Hkv, Dh] and attends queries
-    dtype[B, T, Hkv, G, Dh] over what `keys` returns; returns (new cache, dtype[B, T, Hkv, G, Dh])."""
+    """GQA attention: writes this call's k dtype[B, T, Hkv, Dh], v dtype[B, T, Hkv, Dv] and attends
+    queries dtype[B, T, Hkv, G, Dh] over what `keys` returns; returns (new cache, dtype[B, T, Hkv, G, Dv])."""
     new_cache, (k_BxSxKxDh, v_BxSxKxDh), mask_BxTxS = self.keys(
         rows_BxT, valid_BxT, (k_BxTxKxDh, v_BxTxKxDh), value=1, window=window, tree=tree)
     return new_cache, gqa_attention(q_BxTxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS, sinks_KxG=sinks_KxG)
@@ -131,23 +131,24 @@ class ContiguousRows:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class KVCache(ContiguousRows, LayerCache):
-  """One GQA layer's cache: k, v dtype[B, L, Hkv, Dh], row j at index j."""
+  """One GQA layer's cache: k dtype[B, L, Hkv, Dh], v dtype[B, L, Hkv, Dv], row j at index j."""
 
   k: jax.Array
   v: jax.Array
 
   @classmethod
   def zeros(cls, cfg: BlockConfig, batch_size: int, max_len: int, dtype=None) -> "KVCache":
-    shape = (batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
     dtype = dtype or cfg.jnp_dtype
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+    return cls(jnp.zeros((batch_size, max_len, cfg.num_kv_heads, cfg.head_dim), dtype),
+               jnp.zeros((batch_size, max_len, cfg.num_kv_heads, cfg.value_dim), dtype))
 
   @property
   def max_len(self) -> int:
     return self.k.shape[1]
 
   def update(self, rows_BxT, valid_BxT, k_BxTxKxDh, v_BxTxKxDh):
-    """Writes k, v dtype[B, T, Hkv, Dh]; returns (new KVCache, (k, v dtype[B, L, Hkv, Dh]), int32[B, L])."""
+    """Writes k dtype[B, T, Hkv, Dh], v dtype[B, T, Hkv, Dv]; returns (new KVCache, (k, v of all L rows),
+    int32[B, L])."""
     new = KVCache(write_rows(self.k, rows_BxT, valid_BxT, k_BxTxKxDh),
                   write_rows(self.v, rows_BxT, valid_BxT, v_BxTxKxDh))
     return new, (new.k, new.v), all_rows(self.k.shape[0], self.max_len)

@@ -47,8 +47,8 @@ def attention_probs(scores_BxKxGxTxS, mask_BxTxS, *, sinks_KxG: jax.Array | None
 
 
 def gqa_attention(q_BxTxKxGxDh, k_BxSxKxDh, v_BxSxKxDh, mask_BxTxS, *, sinks_KxG=None) -> jax.Array:
-  """Scaled dot-product GQA of queries dtype[B, T, Hkv, G, Dh] over keys and values dtype[B, S, Hkv, Dh];
-  returns dtype[B, T, Hkv, G, Dh] (the values' dtype)."""
+  """Scaled dot-product GQA of queries dtype[B, T, Hkv, G, Dh] over keys dtype[B, S, Hkv, Dh] and values
+  dtype[B, S, Hkv, Dv]; returns dtype[B, T, Hkv, G, Dv] (the values' dtype)."""
   dh = q_BxTxKxGxDh.shape[-1]
   scores = jnp.einsum("btkgd,bskd->bkgts", q_BxTxKxGxDh, k_BxSxKxDh.astype(q_BxTxKxGxDh.dtype),
                       preferred_element_type=jnp.float32) * dh**-0.5

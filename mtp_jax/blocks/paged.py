@@ -2,8 +2,8 @@
 
 Row j of sequence b lives in page `table[b, j // page_size]` at offset `j % page_size`, so rows
 stay position-addressed (as in cache.py) and the causal mask still excludes stale rows. Every
-layer of a model (every MTP module, every target layer) has its own pools: GQA k, v
-dtype[num_pages, page_size, Hkv, Dh] (`PagedKVCache`) or MLA's latent dtype[num_pages, page_size, R]
+layer of a model (every MTP module, every target layer) has its own pools: GQA k
+dtype[num_pages, page_size, Hkv, Dh] and v of Dv (`PagedKVCache`) or MLA's latent dtype[num_pages, page_size, R]
 and rope key dtype[num_pages, page_size, Dr] (`PagedMlaCache`); all of them share one table
 int32[B, max_pages]: page id p is taken in every pool at once. The table lives once, in
 `Pages`; a model's `LayerCaches` (caches.py) binds it to its caches for a call and drops it
@@ -289,7 +289,8 @@ class PagedRows(LayerCache):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PagedKVCache(PagedRows):
-  """One GQA layer's paged cache: pools k, v dtype[num_pages, page_size, Hkv, Dh] (see PagedRows)."""
+  """One GQA layer's paged cache: pools k dtype[num_pages, page_size, Hkv, Dh] and v
+  dtype[num_pages, page_size, Hkv, Dv] (see PagedRows)."""
 
   POOLS = ("k", "v")
 
@@ -302,9 +303,9 @@ class PagedKVCache(PagedRows):
 
   @classmethod
   def zeros(cls, cfg: BlockConfig, pages: Pages, dtype=None) -> "PagedKVCache":
-    shape = (pages.num_pages, pages.page_size, cfg.num_kv_heads, cfg.head_dim)
     dtype = dtype or cfg.jnp_dtype
-    return cls(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype), None, pages.table.shape[1])
+    pool = lambda width: jnp.zeros((pages.num_pages, pages.page_size, cfg.num_kv_heads, width), dtype)
+    return cls(pool(cfg.head_dim), pool(cfg.value_dim), None, pages.table.shape[1])
 
   def page_list(self):
     """The held pages of all slots, flattened: (owner int32[U], first row int32[U], page int32[U])
@@ -324,7 +325,7 @@ class PagedKVCache(PagedRows):
   def attend(self, q_BxTxKxGxDh, k_BxTxKxDh, v_BxTxKxDh, rows_BxT, valid_BxT, *, window: int | None = None,
              sinks_KxG: jax.Array | None = None, tree: TreeRows | None = None):
     """`LayerCache.attend` that, for sequence calls, reads only the pages in use: writes k, v
-    dtype[B, T, Hkv, Dh]; returns (new cache, float32[B, T, Hkv, G, Dh]). Tree calls read the
+    dtype[B, T, Hkv, Dh | Dv]; returns (new cache, float32[B, T, Hkv, G, Dv]). Tree calls read the
     dense view (`update`).
 
     The same softmax as the dense one over a slot's rows (a query at row r sees keys at rows
@@ -342,7 +343,7 @@ class PagedKVCache(PagedRows):
   def attend_pages(self, q_BxTxKxGxDh, rows_BxT, valid_BxT, *, window: int | None = None,
                    sinks_KxG: jax.Array | None = None) -> jax.Array:
     """Causal GQA attention of queries dtype[B, T, Hkv, G, Dh] over the pages in use (see `attend`);
-    returns float32[B, T, Hkv, G, Dh]."""
+    returns float32[B, T, Hkv, G, Dv]."""
     b, t, hkv, g, dh = q_BxTxKxGxDh.shape
     owner_U, first_U, page_U = self.page_list()
     own_U = jnp.minimum(owner_U, b - 1)

@@ -100,7 +100,9 @@ class Family:
   covers. layout: the name of its MTP checkpoints' `Layout` (None: no MTP modules released).
   conventions: its chain (None: MtpConfig's defaults). blocks: its block defaults. moe:
   config.json -> its MoE FFN (or None). mla: config.json -> MlaConfig scale fields, None where
-  the family has no MLA. num_mtp: module count when config.json names none. target: the
+  the family has no MLA. mtp_blocks: config.json -> BlockConfig fields of its MTP blocks that
+  differ from the target's reading (MiMo-V2-Flash's MTP attention is its sliding-window layers'),
+  None where they do not. num_mtp: module count when config.json names none. target: the
   model_types whose target mtp_jax builds; target_refusal: why the others' is not, for the error.
   sources: where its conventions were read, for the docs."""
   name: str
@@ -111,6 +113,7 @@ class Family:
   blocks: Blocks = Blocks()
   moe: Callable[[Mapping], MoeConfig | None] = sigmoid_moe
   mla: Callable[[Mapping], dict] | None = None
+  mtp_blocks: Callable[[Mapping], dict] | None = None
   num_mtp: int | None = None
   target: tuple[str, ...] = ()
   target_refusal: str = ""
