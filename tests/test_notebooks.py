@@ -84,5 +84,5 @@ def test_real_families_executes(tmp_path, monkeypatch):
   nb = _run("real_families.ipynb", tmp_path, monkeypatch)
   text = _text(nb)
   assert "layout: deepseek   family: deepseek_v3" in text and "same tokens as generate" in text
-  assert "| mimo | mimo | mimo | True | True | True | cycle |" in text  # the conventions table
+  assert "| MiMo-7B | mimo | mimo | True | True | True | cycle |" in text  # the conventions table
   assert _has_plot(nb)

@@ -234,7 +234,7 @@ class Engine:
       return {}
     n = 1 if self._waiting and None in self._slots else self.steps_per_call
     self._rebudget(self._step.rows_next(self._s) * self.steps_per_call, self._next_pages)
-    self._s = jit_run_for(self._step, self.target, self.proposer, self.grammar, self._s, n)
+    self._s = jit_run_for(self._step, self.target, self.proposer, self.grammar, self._s, np.int32(n))
     gained = self._collect()
     self._steps += 1
     self._step_seconds += time.perf_counter() - t0

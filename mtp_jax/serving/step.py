@@ -441,10 +441,10 @@ class DecodeStep:
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done) & self.fits(s),
                               lambda s: self(target, proposer, grammar, s), s)
 
-  def run_for(self, target, proposer, grammar, s: LoopState, max_steps: int) -> LoopState:
-    """Up to max_steps (static) steps on device, ending after the step in which a slot finishes
-    (its slot can then be refilled) or before one that would not fit: a serving loop's host
-    round trip per call instead of per step."""
+  def run_for(self, target, proposer, grammar, s: LoopState, max_steps) -> LoopState:
+    """Up to max_steps (int32[], a value: one compile for every count) steps on device, ending
+    after the step in which a slot finishes (its slot can then be refilled) or before one that
+    would not fit: a serving loop's host round trip per call instead of per step."""
     running_B = ~s.done
 
     def go_on(c):
@@ -477,8 +477,8 @@ def jit_run(step: DecodeStep, target, proposer, grammar, s: LoopState) -> LoopSt
   return step.run(target, proposer, grammar, s)
 
 
-@functools.partial(jax.jit, static_argnames=("step", "max_steps"), donate_argnames=("s",))
-def jit_run_for(step: DecodeStep, target, proposer, grammar, s: LoopState, max_steps: int) -> LoopState:
+@functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
+def jit_run_for(step: DecodeStep, target, proposer, grammar, s: LoopState, max_steps) -> LoopState:
   return step.run_for(target, proposer, grammar, s, max_steps)
 
 
