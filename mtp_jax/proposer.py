@@ -39,7 +39,7 @@ from mtp_jax import grammar as grammar_lib
 from mtp_jax import validate
 from mtp_jax import tree as tree_lib
 from mtp_jax.blocks import LayerCaches, Pages, TreeRows
-from mtp_jax.blocks.caches import fold_views
+from mtp_jax.blocks.caches import CachedState
 from mtp_jax.config import MtpConfig
 from mtp_jax.mtp import MtpModel
 from mtp_jax.sampling import filtered_probs, sample
@@ -48,7 +48,7 @@ from mtp_jax.tree import DraftTree, TreeSpec, check_tree
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class ProposerState:
+class ProposerState(CachedState):
   """Pytree of the proposer's per-sequence state; see the module docstring for the layout.
 
   caches: the depths' LayerCaches: `kv`, K caches (KVCache k, v dtype[B, L, Hkv, Dh], or an MLA
@@ -69,48 +69,13 @@ class ProposerState:
   cfg: MtpConfig = dataclasses.field(metadata=dict(static=True))
   num_live: int = dataclasses.field(metadata=dict(static=True))
 
-  def set(self, **changes) -> "ProposerState":
-    """A copy with fields replaced; kv= and pages= replace the caches' layers and allocator."""
-    return dataclasses.replace(self, **fold_views(self.caches, changes))
-
-  @property
-  def kv(self) -> tuple:
-    """K caches, one per depth (see the class docstring)."""
-    return self.caches.layers
-
-  @property
-  def pages(self) -> Pages | None:
-    return self.caches.pages
-
   @property
   def batch_size(self) -> int:
     return self.num_pos.shape[0]
 
   @property
-  def max_len(self) -> int:
-    return self.caches.max_len
-
-  @property
-  def out_of_pages(self) -> jax.Array:
-    """bool[B]: slots the page allocator refused a page (never when contiguous)."""
-    return self.caches.out_of_pages(self.batch_size)
-
-  def pages_needed(self, num_new_B) -> jax.Array:
-    """int32[]: pages held in all after a call adding num_new_B (int32[B]) positions per slot (0 when contiguous)."""
-    return self.caches.pages_after(self.num_pos + num_new_B)
-
-  def with_page_budget(self, budget: int | None) -> "ProposerState":
-    """This state whose calls read `budget` pages (unchanged when contiguous or budget is None)."""
-    return self.set(caches=self.caches.with_budget(budget))
-
-  def with_page_table(self, table) -> "ProposerState":
-    """External paging (`init_state(pages=Pages.external(..))`): this state reading and writing
-    through the caller's new table int32[B, max_pages]."""
-    return self.set(caches=self.caches.with_page_table(table))
-
-  def grown(self, max_len: int) -> "ProposerState":
-    """This state with contiguous caches of max_len rows (>= max_len now), rows kept."""
-    return self.set(caches=self.caches.grown(max_len))
+  def rows_held(self) -> jax.Array:
+    return self.num_pos
 
 
 def init_state(cfg: MtpConfig, batch_size: int, max_len: int, *, keep_draft_probs: bool = False,

@@ -11,7 +11,7 @@ from flax import nnx
 
 from mtp_jax import validate
 from mtp_jax.blocks import Block, Embed, LayerCache, LayerCaches, Linear, Pages, RMSNorm, TreeRows
-from mtp_jax.blocks.caches import fold_views
+from mtp_jax.blocks.caches import CachedState
 from mtp_jax.config import TargetConfig
 from mtp_jax.mtp import assign_state_dict, param_names
 from mtp_jax.tree import TreeSpec, check_tree
@@ -47,51 +47,16 @@ class TargetModel(nnx.Module):
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class TargetState:
+class TargetState(CachedState):
   """caches: the layers' LayerCaches (`kv`: one cache per layer, `pages`: the allocator or None);
   length: int32[B], rows written per sequence."""
 
   caches: LayerCaches
   length: jax.Array
 
-  def set(self, **changes) -> "TargetState":
-    """A copy with fields replaced; kv= and pages= replace the caches' layers and allocator."""
-    return dataclasses.replace(self, **fold_views(self.caches, changes))
-
   @property
-  def kv(self) -> tuple:
-    """One cache per layer (KVCache k, v dtype[B, L, Hkv, Dh], MlaCache, or their paged forms)."""
-    return self.caches.layers
-
-  @property
-  def pages(self) -> Pages | None:
-    return self.caches.pages
-
-  @property
-  def max_len(self) -> int:
-    return self.caches.max_len
-
-  @property
-  def out_of_pages(self) -> jax.Array:
-    """bool[B]: slots the page allocator refused a page (never when contiguous)."""
-    return self.caches.out_of_pages(self.length.shape[0])
-
-  def pages_needed(self, num_new_B) -> jax.Array:
-    """int32[]: pages held in all after a call adding num_new_B (int32[B]) rows per slot (0 when contiguous)."""
-    return self.caches.pages_after(self.length + num_new_B)
-
-  def with_page_budget(self, budget: int | None) -> "TargetState":
-    """This state whose calls read `budget` pages (unchanged when contiguous or budget is None)."""
-    return self.set(caches=self.caches.with_budget(budget))
-
-  def with_page_table(self, table) -> "TargetState":
-    """External paging (`init_target_state(pages=Pages.external(..))`): this state reading and
-    writing through the caller's new table int32[B, max_pages]."""
-    return self.set(caches=self.caches.with_page_table(table))
-
-  def grown(self, max_len: int) -> "TargetState":
-    """This state with contiguous caches of max_len rows (>= max_len now), rows kept."""
-    return self.set(caches=self.caches.grown(max_len))
+  def rows_held(self) -> jax.Array:
+    return self.length
 
 
 def init_target_state(cfg: TargetConfig, batch_size: int, max_len: int, *, dtype=None,

@@ -65,6 +65,52 @@ def fold_views(caches: "LayerCaches", changes: dict) -> dict:
   return changes
 
 
+class CachedState:
+  """What a model state holding `caches: LayerCaches` offers (TargetState, ProposerState): its
+  views `kv` and `pages`, and the paging and growth the serving loops ask of it. A subclass gives
+  `rows_held`, int32[B]: the rows (positions) each slot holds now."""
+
+  def set(self, **changes):
+    """A copy with fields replaced; kv= and pages= replace the caches' layers and allocator."""
+    return dataclasses.replace(self, **fold_views(self.caches, changes))
+
+  @property
+  def kv(self) -> tuple:
+    """One cache per layer (KVCache k, v dtype[B, L, Hkv, Dh], MlaCache, or their paged forms)."""
+    return self.caches.layers
+
+  @property
+  def pages(self):
+    """The allocator (`Pages`), or None when contiguous."""
+    return self.caches.pages
+
+  @property
+  def max_len(self) -> int:
+    return self.caches.max_len
+
+  @property
+  def out_of_pages(self) -> jax.Array:
+    """bool[B]: slots the page allocator refused a page (never when contiguous)."""
+    return self.caches.out_of_pages(self.rows_held.shape[0])
+
+  def pages_needed(self, num_new_B) -> jax.Array:
+    """int32[]: pages held in all after a call adding num_new_B (int32[B]) rows per slot (0 when contiguous)."""
+    return self.caches.pages_after(self.rows_held + num_new_B)
+
+  def with_page_budget(self, budget: int | None):
+    """This state whose calls read `budget` pages (unchanged when contiguous or budget is None)."""
+    return self.set(caches=self.caches.with_budget(budget))
+
+  def with_page_table(self, table):
+    """External paging (`pages=Pages.external(..)` at init): this state reading and writing
+    through the caller's new table int32[B, max_pages]."""
+    return self.set(caches=self.caches.with_page_table(table))
+
+  def grown(self, max_len: int):
+    """This state with contiguous caches of max_len rows (>= max_len now), rows kept."""
+    return self.set(caches=self.caches.grown(max_len))
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class LayerCaches:
