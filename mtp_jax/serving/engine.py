@@ -241,8 +241,10 @@ class Engine:
     return gained
 
   def _expire(self, now: float) -> None:
-    late = [r.id for r in self.requests.values() if r.status in ("waiting", "running") and
-            r.deadline_s is not None and now - r.arrived_at > r.deadline_s]
+    # Only live requests: the finished ones stay in `requests` and would make every step O(all ever).
+    live = [*self._waiting, *(rid for rid in self._slots if rid is not None)]
+    late = [rid for rid in live if (r := self.requests[rid]).deadline_s is not None and
+            now - r.arrived_at > r.deadline_s]
     for rid in late:
       self._stop(rid, "timed_out")
 
