@@ -26,7 +26,8 @@ SCALE_SUFFIX = "_scale_inv"  # <name>.weight_scale_inv holds the block scales of
 class Fp8Blocks:
   """Block-scaled FP8 weights (config.json quantization_config, quant_method "fp8"): each float8
   weight [R, C] stored with `<name>.weight_scale_inv` float32[ceil(R / block[0]), ceil(C / block[1])]
-  is dequantized as it is read, to `dtype`."""
+  is dequantized to `dtype`: by the reader as it is read, or (a module's `fp8`, blocks.linear.keep_fp8)
+  inside the matmul."""
   block: tuple[int, int]
   dtype: str = "float32"
 
@@ -74,9 +75,20 @@ class TensorSource:
   of slices, one per dimension; None: the whole tensor). np.asarray(source) reads it whole."""
   shape: tuple[int, ...]
   read: Callable[[tuple[slice, ...] | None], np.ndarray]
+  fp8: Fp8Parts | None = None  # the stored parts of a block-scaled FP8 tensor (read dequantizes them)
 
   def __array__(self, dtype=None, copy=None) -> np.ndarray:
     return np.asarray(self.read(None), dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Parts:
+  """A block-scaled FP8 tensor as stored, for loaders that keep it so (quantized="fp8"): values
+  float8_e4m3fn[..., R, C] and scale_inv float32[..., ceil(R / block[0]), ceil(C / block[1])], each read
+  undequantized."""
+  values: TensorSource
+  scale_inv: TensorSource
+  block: tuple[int, int]
 
 
 def _find_index_or_file(path: str) -> str:
@@ -124,6 +136,24 @@ def _read_weight_map(index: str) -> dict[str, str]:
                                f"shard file (a non-empty string), got {bad[1]!r:.60}")
   folder = os.path.dirname(index)
   return {name: os.path.join(folder, shard) for name, shard in weight_map.items()}
+
+
+def _stack(sources: Sequence[TensorSource]) -> TensorSource:
+  """2-D sources (each [out, in], one shape) transposed and stacked: [N, in, out]; a block reads only
+  the sources it covers, and of each only its [out, in] block."""
+  rows, cols = sources[0].shape
+
+  def read(index):
+    chosen, i, o = index or (slice(None),) * 3
+    out = None
+    for k, source in enumerate(sources[chosen]):
+      block = source.read((o, i)).T
+      if out is None:  # filled in place: the host holds this block once, not a list of parts too
+        out = np.empty((len(sources[chosen]),) + block.shape, block.dtype)
+      out[k] = block
+    return out
+
+  return TensorSource((len(sources), cols, rows), read)
 
 
 class CheckpointReader:
@@ -208,52 +238,68 @@ class CheckpointReader:
     scale_name = self._scale_of.get(name)
     if scale_name is None:
       return self._stored(name, index)
-    shape, scale_shape, block = self.shape(name), self.shape(scale_name), self.fp8.block
-    want = tuple(-(-n // b) for n, b in zip(shape, block))
-    if len(shape) != 2 or scale_shape != want:
-      raise ValueError(f"{self.path}: scale {scale_name!r} has shape {scale_shape}, expected {want} for weight "
-                       f"{name!r} of shape {shape} in blocks of {block} (quantization_config.weight_block_size)")
+    shape, block = self._checked_scale(name, scale_name), self.fp8.block
     ranges = [(0, n, 1) for n in shape]
     if index is not None:
       index = tuple(index) + (slice(None),) * (2 - len(index))
       ranges = [s.indices(n) for s, n in zip(index, shape)]
       if any(step != 1 for _, _, step in ranges):
         raise ValueError(f"{self.path}: FP8 weight {name!r} is read in contiguous blocks only, got index {index}")
-    value = self._stored(name, index)
-    if value.dtype not in (np.dtype(ml_dtypes.float8_e4m3fn), np.dtype(ml_dtypes.float8_e5m2)):
-      raise ValueError(f"{self.path}: tensor {name!r} has a scale {scale_name!r} but is stored as {value.dtype}, "
-                       "not float8")
+    value = self._float8(name, scale_name, index, (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e5m2))
     # The scale blocks covering the rows / columns read (none for an empty range).
     cover = tuple(slice(lo // b, -(-hi // b)) for (lo, hi, _), b in zip(ranges, block))
     scale = self._stored(scale_name, None if index is None else cover)
     offset = tuple(lo for lo, _, _ in ranges)
     return dequantize_fp8_blocks(value, scale, block, offset=offset).astype(self.fp8.dtype)
 
+  def _checked_scale(self, name: str, scale_name: str) -> tuple[int, ...]:
+    """The shape of weight `name`, its scale's shape checked against it and the block size."""
+    shape, scale_shape, block = self.shape(name), self.shape(scale_name), self.fp8.block
+    want = tuple(-(-n // b) for n, b in zip(shape, block))
+    if len(shape) != 2 or scale_shape != want:
+      raise ValueError(f"{self.path}: scale {scale_name!r} has shape {scale_shape}, expected {want} for weight "
+                       f"{name!r} of shape {shape} in blocks of {block} (quantization_config.weight_block_size)")
+    return shape
+
+  def _float8(self, name: str, scale_name: str, index, dtypes) -> np.ndarray:
+    value = self._stored(name, index)
+    if value.dtype not in tuple(np.dtype(d) for d in dtypes):
+      raise ValueError(f"{self.path}: tensor {name!r} has a scale {scale_name!r} but is stored as {value.dtype}, "
+                       f"not {' or '.join(np.dtype(d).name for d in dtypes)}")
+    return value
+
+  def fp8_parts(self, name: str) -> Fp8Parts | None:
+    """With `fp8`, a weight stored with a scale as its undequantized parts (values must be
+    float8_e4m3fn); None for any other tensor."""
+    scale_name = self._scale_of.get(name)
+    if scale_name is None:
+      return None
+    shape = self._checked_scale(name, scale_name)
+    values = TensorSource(shape, lambda index: self._float8(name, scale_name, index, (ml_dtypes.float8_e4m3fn,)))
+    scale_inv = TensorSource(self.shape(scale_name), lambda index: self._stored(scale_name, index))
+    return Fp8Parts(values=values, scale_inv=scale_inv, block=self.fp8.block)
+
   def __getitem__(self, name: str) -> np.ndarray:
     return self.get(name)
 
   def source(self, name: str) -> TensorSource:
-    """The tensor as a TensorSource reading from this reader (while it is open)."""
-    return TensorSource(self.shape(name), lambda index: self.get(name, index))
+    """The tensor as a TensorSource reading from this reader (while it is open); a block-scaled FP8
+    weight reads dequantized and carries its stored parts (`fp8_parts`)."""
+    return TensorSource(self.shape(name), lambda index: self.get(name, index), self.fp8_parts(name))
 
   def stacked(self, names: Sequence[str]) -> TensorSource:
     """The 2-D tensors `names` (each [out, in], one shape) transposed and stacked: [N, in, out], as
     released MoE experts become mtp_jax's stacked experts. A block reads only the tensors it covers,
-    and of each only its [out, in] block."""
+    and of each only its [out, in] block. When every one is block-scaled FP8, its parts are stacked
+    the same way (scales [N, ceil(in / block[1]), ceil(out / block[0])], in blocks of block[::-1])."""
     names = list(names)
-    rows, cols = self.shape(names[0])
-
-    def read(index):
-      chosen, i, o = index or (slice(None),) * 3
-      out = None
-      for k, name in enumerate(names[chosen]):
-        block = self.get(name, (o, i)).T
-        if out is None:  # filled in place: the host holds this block once, not a list of parts too
-          out = np.empty((len(names[chosen]),) + block.shape, block.dtype)
-        out[k] = block
-      return out
-
-    return TensorSource((len(names), cols, rows), read)
+    stacked = _stack([self.source(n) for n in names])
+    parts = [self.fp8_parts(n) for n in names]
+    if all(parts):
+      stacked = dataclasses.replace(stacked, fp8=Fp8Parts(
+          values=_stack([p.values for p in parts]), scale_inv=_stack([p.scale_inv for p in parts]),
+          block=self.fp8.block[::-1]))
+    return stacked
 
   def shape(self, name: str) -> tuple[int, ...]:
     """The stored shape, read from the file header without loading the tensor."""

@@ -26,7 +26,9 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from mtp_jax import families, layouts, sharding, validate
-from mtp_jax.checkpoint import CheckpointReader, TensorSource, read_json
+from mtp_jax.blocks.linear import Linear, keep_fp8
+from mtp_jax.blocks.moe import Experts
+from mtp_jax.checkpoint import SCALE_SUFFIX, CheckpointReader, Fp8Blocks, TensorSource, read_json
 from mtp_jax.config import MtpConfig, TargetConfig
 from mtp_jax.mtp import MtpModel, canonical_name, param_names
 from mtp_jax.target import TargetModel, hf_name
@@ -79,13 +81,59 @@ def _mesh(mesh):
   return mesh
 
 
-def _checked(read, name: str, what: str, allow_nonfinite: bool):
-  """read(index) -> x[index] as a numpy array, refused when float8 without scales or (unless
-  allow_nonfinite) holding NaN or inf: so each block placed is checked as it is read."""
+QUANTIZED = ("fp8",)
+# MLA reads kv_b_proj's weight whole (folded into its query and output, blocks/mla.py), not through
+# Linear's matmul, so it is dequantized at load even with quantized="fp8" (as vLLM does for MLA).
+_DEQUANTIZED_AT_LOAD = ("kv_b_proj",)
+
+
+def _quantized(quantized, config: Mapping, path) -> bool:
+  """Whether to keep the stored FP8 weights: quantized None or "fp8", the latter only for a
+  directory whose config.json declares block-scaled FP8 weights (else refused, naming `quantized`)."""
+  if quantized is None:
+    return False
+  if not isinstance(quantized, str) or quantized not in QUANTIZED:
+    raise validate.InvalidValue("quantized", f"quantized must be None (weights dequantized at load) or one of "
+                                f"{QUANTIZED} (block-scaled FP8 weights kept on device), got {quantized!r}")
+  if layouts.fp8_from_hf(config) is None:
+    raise validate.InvalidValue("quantized", f"quantized={quantized!r} keeps a checkpoint's block-scaled FP8 "
+                                f"weights, but {path}/config.json has no quantization_config (quant_method "
+                                "fp8): its weights are not FP8; load it with quantized=None")
+  return True
+
+
+def _keep_stored_fp8(model, canonical, tensors: Mapping, dtype: str):
+  """model with each Linear weight and routed-expert projection that `tensors` hold block-scaled
+  FP8 kept so (blocks.linear.keep_fp8, dequantized to dtype in the matmul), but for
+  _DEQUANTIZED_AT_LOAD."""
+  for path, module in list(nnx.iter_modules(model)):
+    if not isinstance(module, (Linear, Experts)) or (path and path[-1] in _DEQUANTIZED_AT_LOAD):
+      continue
+    for name in ("weight",) if isinstance(module, Linear) else ("gate_proj", "up_proj", "down_proj"):
+      source = tensors.get(canonical(".".join(str(p) for p in path + (name,))))
+      if isinstance(source, TensorSource) and source.fp8 is not None:
+        keep_fp8(module, name, Fp8Blocks(block=source.fp8.block, dtype=dtype))
+  return model
+
+
+def _stored(tensors: Mapping, name: str, dtype):
+  """What fills the param `name` of `dtype`: tensors[name], or the stored FP8 parts of a weight
+  `_keep_stored_fp8` kept (its float8 values, or the scales for its <name>_scale_inv)."""
+  if name.endswith(SCALE_SUFFIX):
+    return tensors[name.removesuffix(SCALE_SUFFIX)].fp8.scale_inv
+  if dtype == jnp.float8_e4m3fn:
+    return tensors[name].fp8.values
+  return tensors[name]
+
+
+def _checked(read, name: str, what: str, allow_nonfinite: bool, kept_fp8: bool = False):
+  """read(index) -> x[index] as a numpy array, refused when float8 without scales (unless kept_fp8:
+  the stored values of a weight kept FP8) or (unless allow_nonfinite) holding NaN or inf: so each
+  block placed is checked as it is read."""
 
   def checked(index):
     value = np.asarray(read(index))
-    if value.dtype.itemsize < 2:
+    if value.dtype.itemsize < 2 and not kept_fp8:
       raise ValueError(f"{what}: tensor {name!r} is stored as {value.dtype} without scales; only float16 / bfloat16 "
                        "/ float32 tensors load, or block-scaled FP8 ones with config.json's quantization_config")
     finite = allow_nonfinite or np.isfinite(value)
@@ -99,26 +147,29 @@ def _checked(read, name: str, what: str, allow_nonfinite: bool):
   return checked
 
 
-def _build(ctor, canonical, tensors: Mapping, what: str, allow_nonfinite: bool = False, mesh: Mesh | None = None):
+def _build(ctor, canonical, tensors: Mapping, what: str, allow_nonfinite: bool = False, mesh: Mesh | None = None,
+           fp8_dtype: str | None = None):
   """ctor() as an abstract model, its params filled from tensors (canonical name -> array or
   TensorSource), each cast to the dtype the model gives that param (routers stay float32 in a bf16
   model); with mesh, each placed block by block into its sharding.param_specs sharding. A tensor
   (with mesh: a block) holding NaN or inf is refused (validate.InvalidValue naming it) unless
-  allow_nonfinite."""
-  abstract = nnx.eval_shape(ctor)
+  allow_nonfinite. fp8_dtype (quantized="fp8"): the weights stored block-scaled FP8 are placed as
+  stored, float8 values and float32 scales (`_keep_stored_fp8`), dequantized to fp8_dtype in the matmul."""
+  make = ctor if fp8_dtype is None else lambda: _keep_stored_fp8(ctor(), canonical, tensors, fp8_dtype)
+  abstract = nnx.eval_shape(make)
   specs = None if mesh is None else dict(nnx.to_flat_state(nnx.state(sharding.param_specs(abstract, mesh))))
   graphdef, state = nnx.split(abstract)
   flat = []
   for path, var in nnx.to_flat_state(state):
     name = canonical(".".join(str(p) for p in path))
-    if name not in tensors:
+    if name not in tensors and not name.endswith(SCALE_SUFFIX):
       raise KeyError(f"{what}: missing tensor {name!r} (shape {tuple(var.shape)})")
-    value = tensors[name]
+    value = _stored(tensors, name, var.dtype)
     if tuple(value.shape) != tuple(var.shape):
       raise ValueError(f"{what}: tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(var.shape)}")
     read = value.read if isinstance(value, TensorSource) else (
         lambda index, v=value: np.asarray(v) if index is None else np.asarray(v)[index])
-    read = _checked(read, name, what, allow_nonfinite)
+    read = _checked(read, name, what, allow_nonfinite, kept_fp8=var.dtype == jnp.float8_e4m3fn)
     if mesh is None:
       placed = jnp.asarray(read(None), var.dtype)
     else:
@@ -165,24 +216,29 @@ def _stack_experts(reader, names, prefix: str, proj: str, num_experts: int) -> T
   return reader.stacked(parts)
 
 
-def load_target(path, *, dtype=None, allow_nonfinite: bool = False, mesh: Mesh | None = None) -> TargetModel:
+def load_target(path, *, dtype=None, allow_nonfinite: bool = False, mesh: Mesh | None = None,
+                quantized: str | None = None) -> TargetModel:
   """The target model of a released directory (see `from_pretrained`)."""
   allow_nonfinite = validate.flag("allow_nonfinite", allow_nonfinite)
   mesh = _mesh(mesh)
   config = read_model_config(path)
+  keep = _quantized(quantized, config, path)
   cfg = target_config_from_hf(config, dtype=dtype)
   with CheckpointReader(path, fp8=layouts.fp8_from_hf(config, cfg.dtype)) as reader:
     tensors = _target_tensors(reader, config, cfg)
-    return _build(lambda: TargetModel(cfg, rngs=nnx.Rngs(0)), hf_name, tensors, f"{path}", allow_nonfinite, mesh)
+    return _build(lambda: TargetModel(cfg, rngs=nnx.Rngs(0)), hf_name, tensors, f"{path}", allow_nonfinite, mesh,
+                  cfg.dtype if keep else None)
 
 
 def load_mtp(path, *, dtype=None, max_depth: int | None = None, allow_nonfinite: bool = False,
-             mesh: Mesh | None = None, **conventions) -> MtpModel:
+             mesh: Mesh | None = None, quantized: str | None = None, **conventions) -> MtpModel:
   """The MTP modules of a released directory; conventions override the family's (MtpConfig fields).
-  With mesh, each read block by block into its sharding.param_specs sharding."""
+  With mesh, each read block by block into its sharding.param_specs sharding; quantized as in
+  `from_pretrained`."""
   allow_nonfinite = validate.flag("allow_nonfinite", allow_nonfinite)
   mesh = _mesh(mesh)
   config = read_model_config(path)
+  keep = _quantized(quantized, config, path)
   bad = sorted(set(conventions) - set(layouts.CONVENTION_FIELDS))
   if bad:
     raise TypeError(f"unknown convention(s) {bad}; expected some of {layouts.CONVENTION_FIELDS}")
@@ -196,11 +252,11 @@ def load_mtp(path, *, dtype=None, max_depth: int | None = None, allow_nonfinite:
     tensors = layouts.to_canonical(reader, layout, cfg, first_layer=first_layer,
                                    tied=bool(config.get("tie_word_embeddings", False)), lazy=True)
     return _build(lambda: MtpModel(cfg, rngs=nnx.Rngs(0)), canonical_name, tensors, f"{path}", allow_nonfinite,
-                  mesh)
+                  mesh, cfg.dtype if keep else None)
 
 
 def from_pretrained(path, *, dtype=None, max_depth: int | None = None, allow_nonfinite: bool = False,
-                    mesh: Mesh | None = None,
+                    mesh: Mesh | None = None, quantized: str | None = None,
                     **conventions) -> tuple[TargetModel, MtpModel, dict]:
   """(target, proposer, config.json dict) from a released model directory.
 
@@ -211,11 +267,20 @@ def from_pretrained(path, *, dtype=None, max_depth: int | None = None, allow_non
   conventions: MtpConfig chain fields (pass_normed_hidden, head_norm, mask_first_embedding,
     depth_reuse) overriding the family's.
   allow_nonfinite: load tensors holding NaN or inf (refused by default, naming the tensor).
+  quantized: None (default): block-scaled FP8 weights are dequantized to dtype at load. "fp8": they
+    stay as stored, float8_e4m3fn[out, in] with their weight_scale_inv float32[ceil(out / b0),
+    ceil(in / b1)] (b = quantization_config.weight_block_size), named as in the checkpoint, and
+    are dequantized to dtype inside each matmul (blocks.linear.keep_fp8 / weight_of): Linear weights
+    and routed experts (gathered before dequantizing), but MLA's kv_b_proj, which MLA reads whole,
+    dequantized at load. Weights the checkpoint stores unquantized (embeddings, norms, LM heads,
+    routers) load as usual. Refused (validate.InvalidValue naming `quantized`) for a directory whose
+    config.json declares no FP8 quantization_config.
   Bad directories raise validate.InvalidValue / InvalidType naming the file and the key or tensor.
   """
   config = read_model_config(path)
-  return (load_target(path, dtype=dtype, allow_nonfinite=allow_nonfinite, mesh=mesh),
-          load_mtp(path, dtype=dtype, max_depth=max_depth, allow_nonfinite=allow_nonfinite, mesh=mesh, **conventions),
+  return (load_target(path, dtype=dtype, allow_nonfinite=allow_nonfinite, mesh=mesh, quantized=quantized),
+          load_mtp(path, dtype=dtype, max_depth=max_depth, allow_nonfinite=allow_nonfinite, mesh=mesh,
+                   quantized=quantized, **conventions),
           config)
 
 

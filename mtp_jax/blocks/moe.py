@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax.blocks.linear import Linear, normal, param
+from mtp_jax.blocks.linear import Linear, normal, param, weight_of
 from mtp_jax.blocks.mlp import Mlp
 from mtp_jax.config import BlockConfig, MoeConfig
 
@@ -81,6 +81,8 @@ class Experts(nnx.Module):
 
   Released checkpoints store expert e as mlp.experts.{e}.{gate,up,down}_proj.weight in the
   torch [out, in] layout; layouts.py stacks (and transposes) them into these on load.
+  fp8 and the *_scale_inv: None, or the projections `blocks.linear.keep_fp8` made float8 (each
+  expert's scales transposed with it), dequantized in each call (gather: only the chosen experts).
   """
 
   def __init__(self, cfg: MoeConfig, hidden_size: int, dtype, *, rngs: nnx.Rngs):
@@ -88,17 +90,21 @@ class Experts(nnx.Module):
     self.gate_proj = param(normal(rngs, (e, d, f), d**-0.5, dtype), ("experts", "embed", "expert_mlp"))
     self.up_proj = param(normal(rngs, (e, d, f), d**-0.5, dtype), ("experts", "embed", "expert_mlp"))
     self.down_proj = param(normal(rngs, (e, f, d), f**-0.5, dtype), ("experts", "expert_mlp", "embed"))
+    self.fp8 = None
+    # data: keep_fp8 may put params there
+    self.gate_proj_scale_inv, self.up_proj_scale_inv, self.down_proj_scale_inv = (nnx.data(None),) * 3
 
   def __call__(self, x_NxD, weights_NxK, experts_NxK, path: str):
     """sum_k weights[n, k] * expert_{experts[n, k]}(x[n]): dtype[N, D], via `path` (see PATHS)."""
-    wg, wu, wd = self.gate_proj[...], self.up_proj[...], self.down_proj[...]
     n, k = experts_NxK.shape
     if path == "gather":
-      g = jnp.einsum("nd,nkdf->nkf", x_NxD, wg[experts_NxK])
-      u = jnp.einsum("nd,nkdf->nkf", x_NxD, wu[experts_NxK])
-      y_NxKxD = jnp.einsum("nkf,nkfd->nkd", jax.nn.silu(g) * u, wd[experts_NxK])
+      g = jnp.einsum("nd,nkdf->nkf", x_NxD, weight_of(self, "gate_proj", experts_NxK))
+      u = jnp.einsum("nd,nkdf->nkf", x_NxD, weight_of(self, "up_proj", experts_NxK))
+      y_NxKxD = jnp.einsum("nkf,nkfd->nkd", jax.nn.silu(g) * u, weight_of(self, "down_proj", experts_NxK))
       out = jnp.einsum("nk,nkd->nd", weights_NxK, y_NxKxD.astype(jnp.float32))
-    elif path == "grouped":
+      return out.astype(x_NxD.dtype)
+    wg, wu, wd = weight_of(self, "gate_proj"), weight_of(self, "up_proj"), weight_of(self, "down_proj")
+    if path == "grouped":
       order_M = jnp.argsort(experts_NxK.reshape(-1), stable=True)  # M = N * K pairs, by expert
       rows_M = order_M // k
       sizes_E = jnp.bincount(experts_NxK.reshape(-1), length=wg.shape[0]).astype(jnp.int32)
