@@ -12,7 +12,9 @@ import transformers
 from flax import nnx
 
 from mtp_jax.blocks import Block, Mlp, Moe
+from mtp_jax.blocks.linear import dequantize, keep_fp8
 from mtp_jax.blocks.moe import route
+from mtp_jax.checkpoint import Fp8Blocks
 from mtp_jax.config import BlockConfig, MoeConfig, MtpConfig, TargetConfig
 from mtp_jax.mtp import MtpModel
 
@@ -108,6 +110,22 @@ def test_paths_agree(rows):
   want = moe(x, path="dense")
   for path in ("gather", "grouped"):
     np.testing.assert_allclose(np.asarray(moe(x, path=path)), np.asarray(want), **TOL, err_msg=path)
+
+
+@pytest.mark.parametrize("rows", [1, 40])
+def test_fp8_experts_equal_their_dequantized_weights_on_every_path(rows):
+  """Experts kept FP8 (blocks.linear.keep_fp8, blocks of 8 x 5: partial in Fe = 12) give, on every path,
+  what experts holding the dequantized weights give (float32; gather dequantizes only the chosen experts)."""
+  cfg = block_cfg(n_shared_experts=1)
+  moe, ref = Moe(cfg, rngs=nnx.Rngs(4)), Moe(cfg, rngs=nnx.Rngs(4))
+  for name in ("gate_proj", "up_proj", "down_proj"):
+    keep_fp8(moe.experts, name, Fp8Blocks(block=(8, 5), dtype="float32"))
+    assert getattr(moe.experts, name)[...].dtype == jnp.float8_e4m3fn
+    getattr(ref.experts, name)[...] = dequantize(getattr(moe.experts, name)[...],
+                                                 getattr(moe.experts, name + "_scale_inv")[...], (8, 5), jnp.float32)
+  x = jax.random.normal(jax.random.key(5), (1, rows, D))
+  for path in ("gather", "grouped", "dense"):
+    np.testing.assert_allclose(np.asarray(moe(x, path=path)), np.asarray(ref(x, path="dense")), **TOL, err_msg=path)
 
 
 def test_path_is_chosen_by_row_count(monkeypatch):

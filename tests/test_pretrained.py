@@ -12,6 +12,7 @@ reference (MtpModel.from_pretrained finds MTP weights only at the full-size mode
 
 import json
 import pathlib
+import re
 
 import tokenizers
 
@@ -25,6 +26,7 @@ from transformers.modeling_layers import MtpModel
 
 import mtp_jax
 from mtp_jax import cli, pretrained, sharding, validate
+from mtp_jax.blocks import linear
 from mtp_jax.checkpoint import save_tensors
 
 N_LAYERS, K, V = 2, 2, 64
@@ -361,6 +363,74 @@ def test_fp8_block_scaled_directory_equals_transformers_on_dequantized_weights(t
   assert mtp_jax.generate(target, proposer, prompts, 8, num_drafts=2).tokens == plain.tokens
 
 
+def test_in_memory_quantize_is_the_released_recipe():
+  """blocks.linear.quantize gives the recipe's float8 values and scales (partial blocks included), and
+  dequantize inverts it as the reference does (float32, to 1e-6)."""
+  w = torch.randn(37, 29, generator=torch.Generator().manual_seed(0))
+  values, scale_inv = linear.quantize(jnp.asarray(w.numpy()), FP8_BLOCK)
+  ref_values, ref_scale_inv = fp8_quantize(w)
+  assert values.dtype == jnp.float8_e4m3fn and scale_inv.shape == (3, 3)
+  np.testing.assert_array_equal(np.asarray(values, np.float32), ref_values.float().numpy())
+  # XLA divides by 448 as a multiply by its reciprocal: the scales agree to an ulp
+  np.testing.assert_allclose(np.asarray(scale_inv), ref_scale_inv.numpy(), rtol=3e-7)
+  np.testing.assert_allclose(np.asarray(linear.dequantize(values, scale_inv, FP8_BLOCK, jnp.float32)),
+                             fp8_dequantize(ref_values, ref_scale_inv).numpy(), rtol=1e-6)
+
+
+def _kept_fp8(state):
+  """name -> float8 param of a state dict, each checked to have its float32 <name>_scale_inv."""
+  kept = {n: v for n, v in state.items() if v.dtype == jnp.float8_e4m3fn}
+  for name, v in kept.items():
+    assert state[name + "_scale_inv"].dtype == jnp.float32, name
+  return kept
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(TINY))
+def test_quantized_fp8_keeps_the_stored_weights_and_equals_dequantizing_at_load(tmp_path, family):
+  """quantized="fp8": the weights stored FP8 stay float8_e4m3fn with their scales (but MLA's kv_b_proj),
+  the rest as loaded before; float32 logits equal the dequantized-at-load model's to 1e-5 (the same
+  weight values; XLA's fused dequantization may only reorder), bf16 ones to 2e-2 (XLA:CPU may skip
+  rounding the dequantized weight to bf16 before its matmul); drafts equal; greedy speculative decoding
+  equals plain greedy decoding; the state dict holds the stored parts, which load_target_state_dict refuses."""
+  _, _, path = TINY[family](tmp_path)
+  assert _quantize_directory(path) > 20
+  target, proposer, _ = mtp_jax.from_pretrained(path, dtype="float32", max_depth=2)
+  q_target, q_proposer, _ = mtp_jax.from_pretrained(path, dtype="float32", max_depth=2, quantized="fp8")
+
+  stored = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+  want = {re.sub(r"experts\.\d+\.(\w+)\.weight", r"experts.\1", n.removesuffix("_scale_inv")) for n in stored
+          if n.endswith("_scale_inv") and int(n.split(".")[2]) < N_LAYERS and "kv_b_proj" not in n}
+  state, q_state = mtp_jax.target_state_dict(target), mtp_jax.target_state_dict(q_target)
+  kept = _kept_fp8(q_state)
+  assert set(kept) == want and len(want) > 10
+  assert all(q_state[n].dtype == jnp.float32 for n in ("model.embed_tokens.weight", "lm_head.weight",
+                                                        "model.layers.1.mlp.gate.weight", "model.norm.weight"))
+  scale_bytes = sum(q_state[n + "_scale_inv"].nbytes for n in kept)
+  fp8_elements = sum(v.size for v in kept.values())
+  assert sum(v.nbytes for v in kept.values()) == fp8_elements
+  total = lambda state: sum(v.nbytes for v in state.values())
+  assert total(q_state) == total(state) - 3 * fp8_elements + scale_bytes
+  q_mtp = _kept_fp8(mtp_jax.state_dict(q_proposer))
+  assert "mtp.0.eh_proj.weight" in q_mtp and "mtp.1.mlp.experts.down_proj" in q_mtp
+  with pytest.raises(KeyError, match="_scale_inv"):
+    mtp_jax.load_target_state_dict(q_target.cfg, q_state)
+
+  toks = np.random.default_rng(0).integers(0, V, (2, 9))
+  rows, valid = jnp.broadcast_to(jnp.arange(9), (2, 9)), jnp.ones((2, 9), bool)
+  logits = lambda t: np.asarray(jax.jit(lambda t: t(jnp.asarray(toks, jnp.int32), rows, valid, None))(t)[0])
+  np.testing.assert_allclose(logits(q_target), logits(target), rtol=1e-5, atol=1e-5)
+  bf16 = lambda **kw: mtp_jax.load_target(path, dtype="bfloat16", **kw)
+  np.testing.assert_allclose(logits(bf16(quantized="fp8")), logits(bf16()), rtol=2e-2, atol=2e-2)
+  h0 = jax.jit(lambda t: t(jnp.asarray(toks[:1, :8], jnp.int32), rows[:1, :8], valid[:1, :8], None)[1])(target)
+  propose = lambda p: np.asarray(mtp_jax.propose(p, mtp_jax.init_state(p.cfg, 1, 32), h0, toks[:1, 1:],
+                                                 np.array([8], np.int32), num_drafts=K)[0])
+  np.testing.assert_array_equal(propose(q_proposer), propose(proposer))
+  prompts = [list(toks[0, :5]), list(toks[1])]
+  plain = mtp_jax.generate(target, None, prompts, 8)
+  assert mtp_jax.generate(q_target, q_proposer, prompts, 8, num_drafts=2).tokens == plain.tokens
+
+
 # --- Model directories that are wrong: one named error each, one CLI line each -------------------------
 
 @pytest.fixture(scope="module")
@@ -506,3 +576,20 @@ def test_fp8_tensors_without_a_quantization_config_are_named(glm_dir, tmp_path):
   with pytest.raises(ValueError, match=r"tensor 'model\.layers\.\d+\..*_proj\.weight' is stored as float8_e4m3fn "
                                        "without scales"):
     pretrained.load_target(path)
+
+
+@pytest.mark.parametrize("quantized", ["int8", "FP8", True])
+def test_quantized_other_than_none_or_fp8_is_refused_by_name(glm_dir, quantized):
+  for load in (mtp_jax.from_pretrained, mtp_jax.load_target, mtp_jax.load_mtp):
+    with pytest.raises(validate.InvalidValue, match=r"quantized must be None .* \('fp8',\)") as e:
+      load(glm_dir[1], quantized=quantized)
+    assert e.value.argument == "quantized"
+
+
+def test_quantized_fp8_without_fp8_weights_is_refused_by_name(glm_dir):
+  """A directory whose config.json declares no FP8 weights: quantized="fp8" would keep nothing, so it is
+  refused rather than loading bf16 / float32 weights the caller sized as FP8."""
+  for load in (mtp_jax.from_pretrained, mtp_jax.load_target, mtp_jax.load_mtp):
+    with pytest.raises(validate.InvalidValue, match="no quantization_config") as e:
+      load(glm_dir[1], quantized="fp8")
+    assert e.value.argument == "quantized"

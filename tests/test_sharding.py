@@ -182,7 +182,9 @@ def test_block_outputs_constrained_under_use_mesh(load_runs):
 def test_sharded_fp8_load_equals_unsharded(tmp_path):
   """An FP8 DeepSeek-V3 directory (16 x 12 scale blocks) loaded with mesh=: each device's block of a
   weight is dequantized with the scale blocks it covers, also where a block starts inside a scale
-  block (q_b_proj's 48 rows split at 24, experts' 16 rows at 8), and every param equals the unsharded load."""
+  block (q_b_proj's 48 rows split at 24, experts' 16 rows at 8), and every param equals the unsharded load.
+  With quantized="fp8" too: the float8 values and their scales equal the unsharded FP8-kept load's, and the
+  expert-split FP8-kept target's logits the unsharded dequantized one's."""
   from test_pretrained import _quantize_directory, tiny_deepseek
 
   tiny_deepseek(tmp_path)
@@ -191,6 +193,13 @@ def test_sharded_fp8_load_equals_unsharded(tmp_path):
   assert run["params_equal"] == {"2x2": True, "1x2x2": True}
   assert run["q_b_proj"] == {"spec": ["model", None], "shard": [24, 24]}
   assert run["experts"] == {"spec": ["expert", None, "model"], "shard": [2, 32, 8]}
+  # quantized="fp8": the float8 weights shard as before; their scales only by expert, else replicated.
+  assert run["fp8_params_equal"] == {"2x2": True, "1x2x2": True}
+  assert run["fp8_q_b_proj"] == {"spec": ["model", None], "shard": [24, 24], "dtype": "float8_e4m3fn"}
+  assert run["fp8_q_b_proj_scales"] == {"spec": [], "shard": [3, 2], "dtype": "float32"}
+  assert run["fp8_experts"] == {"spec": ["expert", None, "model"], "shard": [2, 32, 8], "dtype": "float8_e4m3fn"}
+  assert run["fp8_experts_scales"] == {"spec": ["expert", None, None], "shard": [2, 3, 1], "dtype": "float32"}
+  assert run["fp8_logits_error"] < 1e-5  # the sharded FP8-kept target against the unsharded dequantized one
 
 
 def _free_port() -> int:
@@ -393,8 +402,21 @@ def _fp8_child(path: str) -> dict:
   equal = {k: all(np.array_equal(a, b) for a, b in zip(leaves((target, proposer)), leaves(v), strict=True))
            for k, v in loaded.items()}
   w = lambda x: {"spec": _spec(x), "shard": _shard_shape(x)}
+  fp8 = {k: mtp_jax.from_pretrained(path, dtype="float32", mesh=m, quantized="fp8")[:2] for k, m in meshes.items()}
+  unsharded = mtp_jax.from_pretrained(path, dtype="float32", quantized="fp8")[:2]
+  fp8_equal = {k: all(a.dtype == b.dtype and np.array_equal(a.astype(np.float32), b.astype(np.float32))
+                      for a, b in zip(leaves(unsharded), leaves(v), strict=True)) for k, v in fp8.items()}
+  wd = lambda x: w(x) | {"dtype": x.dtype.name}
+  tokens = np.arange(12, dtype=np.int32).reshape(4, 3) % target.cfg.vocab_size
+  rows, valid = np.broadcast_to(np.arange(3, dtype=np.int32), (4, 3)), np.ones((4, 3), bool)
+  logits = lambda m: np.asarray(jax.jit(lambda m: m(tokens, rows, valid, None)[0])(m))
+  attn, experts = fp8["2x2"][0].layers[0].self_attn, fp8["1x2x2"][0].layers[1].mlp.experts
   return {"params_equal": equal, "q_b_proj": w(loaded["2x2"][0].layers[0].self_attn.q_b_proj.weight[...]),
-          "experts": w(loaded["1x2x2"][0].layers[1].mlp.experts.gate_proj[...])}
+          "experts": w(loaded["1x2x2"][0].layers[1].mlp.experts.gate_proj[...]),
+          "fp8_params_equal": fp8_equal, "fp8_q_b_proj": wd(attn.q_b_proj.weight[...]),
+          "fp8_q_b_proj_scales": wd(attn.q_b_proj.weight_scale_inv[...]), "fp8_experts": wd(experts.gate_proj[...]),
+          "fp8_experts_scales": wd(experts.gate_proj_scale_inv[...]),
+          "fp8_logits_error": float(np.max(np.abs(logits(fp8["1x2x2"][0]) - logits(target))))}
 
 
 if __name__ == "__main__":
