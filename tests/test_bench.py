@@ -14,6 +14,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import bandwidth  # noqa: E402
+import bench_fp8  # noqa: E402
 import bench_mla  # noqa: E402
 import bench_propose  # noqa: E402
 import demo_report  # noqa: E402
@@ -25,7 +26,7 @@ import vs_transformers  # noqa: E402
 
 def test_scripts_start_from_a_checkout():
   for script in ("bench_propose.py", "bandwidth.py", "hot_path_ab.py", "scaling.py", "vs_transformers.py",
-                 "bench_mla.py", "bench_paged.py", "serve_bench.py", "demo_report.py"):
+                 "bench_mla.py", "bench_paged.py", "serve_bench.py", "demo_report.py", "bench_fp8.py"):
     proc = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True,
                           timeout=300, cwd="/")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -141,3 +142,14 @@ def test_bench_mla_quick(capsys):
   out = capsys.readouterr().out
   # bytes per cached row: GQA 2 * Hkv * Dh * 4, MLA (R + Dr) * 4
   assert "| GQA, Hkv = H (MHA) | 512 |" in out and "| MLA, absorbed (decode path) | 160 |" in out
+
+
+@pytest.mark.slow
+def test_bench_fp8_quick(capsys):
+  bench_fp8.main(["--quick"])  # asserts each variant's logits against its dequantized-at-load twin first
+  out = capsys.readouterr().out
+  rows = {line.split(" | ")[0].lstrip("| "): line for line in out.splitlines() if line.startswith("| ")}
+  # float32 params: 0.5 MiB; the FP8 loads hold their projections in a byte per weight plus the scales
+  assert rows["float32 (dequantized at load)"].startswith("| float32 (dequantized at load) | 0.5 | 0.0 | ")
+  assert " | 0.1 | " in rows["FP8 kept, bfloat16 compute"] and " | 0.1 | " in rows["FP8 kept, float32 compute"]
+  assert "FP8, per-block scaled dot (bf16)" in rows and "load average at the end" in out
