@@ -11,6 +11,8 @@ Tensors are read lazily (only the ones used, never whole shards) and placed stra
 model, with no random initialisation first. With mesh= each tensor goes straight into its
 sharding (sharding.param_specs), each device's block read from the file on its own (routed
 experts: only the experts that device holds), so the host holds about one tensor at a time.
+Block-scaled FP8 weights are dequantized as they are read, or with quantized="fp8" placed as
+stored, float8 values with their scales, and dequantized inside the matmuls (`from_pretrained`).
 """
 
 from __future__ import annotations
@@ -83,7 +85,8 @@ def _mesh(mesh):
 
 QUANTIZED = ("fp8",)
 # MLA reads kv_b_proj's weight whole (folded into its query and output, blocks/mla.py), not through
-# Linear's matmul, so it is dequantized at load even with quantized="fp8" (as vLLM does for MLA).
+# Linear's matmul, so it is dequantized at load even with quantized="fp8"; vLLM's MLA backend
+# (v1/attention/backends/mla/common.py) likewise keeps 16-bit copies of it dequantized.
 _DEQUANTIZED_AT_LOAD = ("kv_b_proj",)
 
 
