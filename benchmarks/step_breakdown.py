@@ -23,22 +23,28 @@ import gzip
 import json
 import os
 import re
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-import mtp_jax
-from mtp_jax import data
-from mtp_jax.blocks.cache import write_rows
-from mtp_jax.proposer import ProposeSettings, propose_step
-from mtp_jax.serving.options import StepSettings
-from mtp_jax.serving.step import DecodeStep, jit_prefill, jit_step
-from mtp_jax.target import target_step
-from mtp_jax.verify import verify_greedy
+try:
+  import mtp_jax
+except ImportError:  # run as `python benchmarks/step_breakdown.py` from a checkout that is not pip-installed
+  sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+  import mtp_jax
+from mtp_jax import data  # noqa: E402
+from mtp_jax.blocks.cache import write_rows  # noqa: E402
+from mtp_jax.proposer import ProposeSettings, propose_step  # noqa: E402
+from mtp_jax.serving.options import StepSettings  # noqa: E402
+from mtp_jax.serving.step import DecodeStep, jit_prefill, jit_step  # noqa: E402
+from mtp_jax.target import target_step  # noqa: E402
+from mtp_jax.verify import verify_greedy  # noqa: E402
 
 LOOP_STEPS = 8  # steps per timed on-device loop
 
@@ -186,7 +192,7 @@ def main(argv=None):
   hid = jnp.ones((1, k + 1, tcfg.hidden_size), jnp.float32)
   toks = jnp.zeros((1, k + 1), jnp.int32)
   num_new = jnp.full((1,), 2, jnp.int32)
-  settings = ProposeSettings(k, catch_up=False, settled=True)  # as the step drafts
+  settings = ProposeSettings(k, catch_up=False)  # as the step drafts
   prop = jax.jit(lambda p, st, h, t, n: propose_step(p, st, h, t, n, settings), donate_argnums=1)
   cases[f"propose, k={k} (the step's drafting call)"] = (
       functools.partial(prop, proposer), lambda: (copy_tree(pst), hid, toks, num_new))
@@ -197,8 +203,8 @@ def main(argv=None):
     return p.module(i)(x, x, rows, jnp.ones((1, w), bool), cache, rope_offset=i + 1)
 
   mod = jax.jit(module, static_argnums=3, donate_argnums=1)
-  for i in range(k):  # the step's windows: max(k + 1, i + 1) rows at depth i
-    x = jnp.ones((1, max(k + 1, i + 1), tcfg.hidden_size), jnp.float32)
+  for i in range(k):  # the step's windows: k + 1 + i rows at depth i
+    x = jnp.ones((1, k + 1 + i, tcfg.hidden_size), jnp.float32)
     cases[f"MTP depth {i + 1} module, {x.shape[1]} rows"] = (
         functools.partial(mod, proposer), lambda x=x, i=i: (copy_tree(pst.kv[i]), x, i))
   phead = jax.jit(lambda p, x: p.logits(0, x))

@@ -241,10 +241,6 @@ class ProposeSettings:
   checked: add checkify checks on values; grammar_per_position: mask draft i with the grammar
   state after drafts 0..i-1 (False: with the state after the verified tokens, the seed's way);
   catch_up: run every depth (False: only the k drafting ones); tree: draft this TreeSpec.
-  settled: with catch_up False and no tree, the caller promises what the serving step keeps:
-  every earlier propose of the sequence ran at this k and was settled by `after_verify` (no
-  drafts pending). Depth i then has at most max(num_new, i + 1) rows to compute, so its window
-  is max(T, i + 1) rows instead of T + i: fewer rows in every module's dots.
   """
 
   num_drafts: int
@@ -255,7 +251,6 @@ class ProposeSettings:
   grammar_per_position: bool = True
   catch_up: bool = True
   tree: TreeSpec | None = None
-  settled: bool = False
 
 
 def _check_grammar(grammar, grammar_state, batch_size, vocab_size):
@@ -305,7 +300,6 @@ def propose_step(params: MtpModel, state: ProposerState, hiddens_BxTxD, tokens_B
   prev_h_BxWxD, prev_start_B = hiddens_BxTxD.astype(cfg.jnp_dtype), num_pos_B
   g_state_B = grammar_state_B
   num_run = cfg.num_depths if catch_up else num_drafts
-  narrow = settings.settled and not catch_up and tree is None
   if tree is not None:
     nodes_tok_BxN1 = jnp.zeros((b, tree.num_nodes + 1), jnp.int32)
     nodes_h = None  # depth i - 1's handed-on hiddens at the tree's nodes
@@ -313,7 +307,7 @@ def propose_step(params: MtpModel, state: ProposerState, hiddens_BxTxD, tokens_B
   for i in range(num_run):
     # A tree runs every depth over verified rows only; its nodes are extra rows (_tree_depth).
     drafting = i < num_drafts and tree is None
-    w = max(t, i + 1) if narrow else t + i
+    w = t + i
     start_B = lengths_KxB[i]
     rows_BxW = start_B[:, None] + jnp.arange(w, dtype=jnp.int32)[None]
     limit_B = new_num_pos_B if drafting else new_num_pos_B - i

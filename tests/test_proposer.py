@@ -198,30 +198,6 @@ def test_unsettled_drafts_count_as_rejected():
   np.testing.assert_array_equal(d_implicit, d_explicit)
 
 
-@pytest.mark.parametrize("k", [2, K])
-def test_settled_windows_give_the_drafts_of_a_full_recompute(k):
-  """The serving step's narrow windows (settled=True: max(T, i + 1) rows at depth i, not T + i)
-  over a fixed-k history where every propose was settled, every accept count included."""
-  sim = Sim([5, 1, 12], seed=11)
-  settings = mtp_jax.proposer.ProposeSettings(k, catch_up=False, settled=True)
-
-  def call(h, t, n):
-    drafts, sim.state = mtp_jax.proposer.propose_step(MODEL, sim.state, jnp.asarray(h), jnp.asarray(t),
-                                                      jnp.asarray(n), settings)
-    return np.asarray(drafts)
-
-  h = np.zeros((sim.b, PROMPT_T, D), np.float32)
-  t = np.zeros((sim.b, PROMPT_T), np.int32)
-  for i, (hid, toks) in enumerate(zip(sim.hid, sim.toks)):
-    h[i, :len(toks)], t[i, :len(toks)] = hid, toks
-  drafts = call(h, t, np.array([len(x) for x in sim.toks], np.int32))
-  sim.check(drafts, k)
-  for acc in [[0, 0, 0], [k, k, k], [0, k, 1], [1, 0, k], [0, 0, 0], [k, 1, 0]]:
-    h, t, n = sim.verify(drafts, acc)
-    drafts = call(h[:, :k + 1], t[:, :k + 1], n)  # T = k + 1, as the step pads
-    sim.check(drafts, k)
-
-
 @pytest.mark.parametrize("k", [1, 2])
 def test_without_catch_up_only_the_drafting_modules_run(k):
   state = mtp_jax.init_state(CFG, 2, 16)

@@ -207,9 +207,8 @@ class Drafter:
   def draft(self, proposer, grammar, pstate, hid_BxTxD, tokens_BxT, num_new_B, gstate_B, key):
     """(drafts int32[B, k] or the tree's int32[B, N], a sampled tree's float32[B, M, V] or None, new state)."""
     masked = self.draft_masks != "none" and grammar is not None
-    # settled: the step runs after_verify before every propose, at the loop's fixed k.
     settings = prop.ProposeSettings(self.num_drafts, **self.sampling.kwargs(), catch_up=False, tree=self.tree,
-                                    grammar_per_position=self.draft_masks == "per_position", settled=True)
+                                    grammar_per_position=self.draft_masks == "per_position")
     drafts, pstate = prop.propose_step(proposer, pstate, hid_BxTxD, tokens_BxT, num_new_B, settings, key,
                                        grammar if masked else None, gstate_B if masked else None)
     if self.tree is None:
