@@ -18,6 +18,7 @@ import bench_fp8  # noqa: E402
 import bench_mla  # noqa: E402
 import bench_propose  # noqa: E402
 import demo_report  # noqa: E402
+import few_row_dots  # noqa: E402
 import hot_path_ab  # noqa: E402
 import plots  # noqa: E402
 import scaling  # noqa: E402
@@ -26,7 +27,8 @@ import vs_transformers  # noqa: E402
 
 def test_scripts_start_from_a_checkout():
   for script in ("bench_propose.py", "bandwidth.py", "hot_path_ab.py", "scaling.py", "vs_transformers.py",
-                 "bench_mla.py", "bench_paged.py", "serve_bench.py", "demo_report.py", "bench_fp8.py"):
+                 "bench_mla.py", "bench_paged.py", "serve_bench.py", "demo_report.py", "bench_fp8.py",
+                 "step_breakdown.py", "few_row_dots.py"):
     proc = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True,
                           timeout=300, cwd="/")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -51,6 +53,12 @@ def test_bandwidth_quick(capsys):
   out = capsys.readouterr().out
   assert "memory bandwidth (16 MB float32 arrays" in out
   assert "| 1 | propose, max_len 512 (jit, state donated) |" in out
+
+
+def test_few_row_dots_quick(capsys):
+  few_row_dots.main(["--quick"])
+  out = capsys.readouterr().out
+  assert "| bf16 [out, in], x split exactly (3 parts) | " in out and "1 layers" in out
 
 
 @pytest.mark.slow
