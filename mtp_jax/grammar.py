@@ -177,6 +177,62 @@ def token_mask(grammar: Grammar, state_B: jax.Array, vocab_size: int) -> jax.Arr
   return jnp.where(no_allowed_token(mask_BxV)[..., None], eos_V, mask_BxV)
 
 
+def union(grammars: Sequence[Grammar]) -> tuple[Grammar, list[int]]:
+  """(one Grammar holding all of `grammars`, offsets): a batch whose rows follow different grammars
+  runs one program. DONE is shared; grammar g's state s >= START is offsets[g] + s in the union,
+  so a row under g starts at offsets[g] + START. States (and CSR entries) are padded to a power of
+  two with unreachable rows, so the union's shapes, and a step compiled for them, change rarely.
+
+  The grammars must share vocab_size and eos_token_id (refused by name otherwise). The union is
+  dense when every grammar is and the table stays small, else CSR.
+  """
+  if isinstance(grammars, Grammar) or not isinstance(grammars, Sequence) or not grammars:
+    raise validate.InvalidType("grammars", "grammars must be a non-empty list of Grammar")
+  for i, g in enumerate(grammars):
+    validate.instance(f"grammars[{i}]", g, Grammar, "a mtp_jax.grammar.Grammar")
+    if (g.vocab_size, g.eos_token_id) != (grammars[0].vocab_size, grammars[0].eos_token_id):
+      raise validate.InvalidValue(f"grammars[{i}]", f"grammars[{i}] has vocab_size={g.vocab_size}, eos_token_id="
+                                                    f"{g.eos_token_id}; grammars[0] has {grammars[0].vocab_size}, "
+                                                    f"{grammars[0].eos_token_id}")
+  v = grammars[0].vocab_size
+  offsets = [int(x) for x in np.cumsum([0] + [g.num_states - 1 for g in grammars[:-1]])]
+  used = 1 + sum(g.num_states - 1 for g in grammars)
+  num_states = max(16, 1 << (used - 1).bit_length())
+  pad = num_states - used
+  shift = lambda d, off: np.where(d > DONE, d + off, d).astype(np.int32)
+  bits = np.concatenate([np.asarray(grammars[0].allowed_bits[:1])] + [np.asarray(g.allowed_bits[1:]) for g in grammars]
+                        + [np.zeros((pad, grammars[0].allowed_bits.shape[1]), np.int32)])
+  final = np.concatenate([[True]] + [np.asarray(g.final[1:]) for g in grammars] + [np.zeros(pad, bool)])
+  common = dict(allowed_bits=jnp.asarray(bits), final=jnp.asarray(final), vocab_size=v,
+                eos_token_id=grammars[0].eos_token_id)
+  if all(not g.compact for g in grammars) and num_states * v < _DENSE_MAX_ENTRIES:
+    table = np.concatenate([np.asarray(grammars[0].next_state[:1])] +
+                           [shift(np.asarray(g.next_state[1:]), off) for g, off in zip(grammars, offsets)] +
+                           [np.full((pad, v), DONE, np.int32)])
+    return Grammar(**common, next_state=jnp.asarray(table), csr_offsets=None, csr_tokens=None, csr_next=None,
+                   search_steps=0), offsets
+  rows_tok, rows_next = [], []  # per union state: its sorted tokens and next states
+  for gi, (g, off) in enumerate(zip(grammars, offsets)):
+    for st in range(0 if gi == 0 else 1, g.num_states):
+      if g.compact:
+        lo, hi = int(g.csr_offsets[st]), int(g.csr_offsets[st + 1])
+        tok, nxt = np.asarray(g.csr_tokens[lo:hi]), np.asarray(g.csr_next[lo:hi])
+      else:
+        word = np.asarray(g.allowed_bits[st]).view(np.uint32)
+        tok = np.flatnonzero((word[np.arange(v) // 32] >> (np.arange(v) % 32).astype(np.uint32)) & 1)
+        nxt = np.asarray(g.next_state[st])[tok]
+      rows_tok.append(tok.astype(np.int32))
+      rows_next.append(shift(nxt, off))
+  lengths = [len(t) for t in rows_tok] + [0] * pad
+  entries = sum(lengths)
+  size = max(16, 1 << (entries - 1).bit_length())
+  fill = lambda rows: jnp.asarray(np.concatenate(rows + [np.zeros(size - entries, np.int32)]).astype(np.int32))
+  return Grammar(**common, next_state=None, csr_offsets=jnp.asarray(np.concatenate([[0], np.cumsum(lengths)]),
+                                                                    jnp.int32),
+                 csr_tokens=fill(rows_tok), csr_next=fill(rows_next),
+                 search_steps=int(max(lengths)).bit_length()), offsets
+
+
 def byte_vocab() -> list[bytes | None]:
   """The byte tokenizer's vocabulary (mtp_jax.data), V = 258: ids 0..255 are single bytes.
 

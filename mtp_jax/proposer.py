@@ -42,7 +42,7 @@ from mtp_jax.blocks import LayerCaches, Pages, TreeRows
 from mtp_jax.blocks.caches import CachedState
 from mtp_jax.config import MtpConfig
 from mtp_jax.mtp import MtpModel
-from mtp_jax.sampling import filtered_probs, sample
+from mtp_jax.sampling import filtered_probs, row_sample, sample
 from mtp_jax.tree import DraftTree, TreeSpec, check_tree
 
 
@@ -269,10 +269,12 @@ def _gather_rows(x_BxTx, idx_BxW):
 
 @validate.jit_when_concrete(static_argnums=5)
 def propose_step(params: MtpModel, state: ProposerState, hiddens_BxTxD, tokens_BxT, num_new_B,
-                 settings: ProposeSettings, key=None, grammar=None, grammar_state_B=None):
+                 settings: ProposeSettings, key=None, grammar=None, grammar_state_B=None, rows=None):
   """`propose` without its argument checks, for a serving step that checked its inputs once:
   hiddens float[B, T, D], tokens int32[B, T], num_new int32[B], the static settings, key,
   grammar and grammar_state int32[B] as `propose` takes them. Returns what `propose` returns.
+  rows: a `sampling.RowSampling` (then key is a key per row, and settings' sampling is unused):
+  each row drafts with its own settings and key (a chain only; the state must keep draft_probs).
   Jitted when called with concrete arrays; inside a caller's jit, traced into it."""
   num_drafts, temperature, top_k, top_p = settings.num_drafts, settings.temperature, settings.top_k, settings.top_p
   grammar_per_position, catch_up, tree = settings.grammar_per_position, settings.catch_up, settings.tree
@@ -281,6 +283,8 @@ def propose_step(params: MtpModel, state: ProposerState, hiddens_BxTxD, tokens_B
   # catch_up=False runs modules 0..k-1 only; the deeper modules' rows, lengths and rings are
   # left as they were (stale), which num_live records.
   cfg = params.cfg
+  if rows is not None and (tree is not None or state.draft_probs is None):
+    raise validate.InvalidValue("rows", "per-row sampling drafts a chain into a state that keeps draft_probs")
   if settings.checked:
     validate.checkify_checks(_propose_value_errors(state, hiddens_BxTxD, tokens_BxT, num_new_B, cfg.vocab_size,
                                                    grammar, grammar_state_B))
@@ -343,8 +347,11 @@ def propose_step(params: MtpModel, state: ProposerState, hiddens_BxTxD, tokens_B
       if grammar is not None:
         logits_BxV = grammar_lib.apply_mask(
             logits_BxV, grammar_lib.token_mask(grammar, g_state_B, logits_BxV.shape[-1]))
-      sub_key = None if key is None else jax.random.fold_in(key, i)
-      d_B, q_BxV = sample(logits_BxV, sub_key, temperature=temperature, top_k=top_k, top_p=top_p)
+      if rows is not None:
+        d_B, q_BxV = row_sample(logits_BxV, rows, jax.vmap(lambda row_key: jax.random.fold_in(row_key, i))(key))
+      else:
+        sub_key = None if key is None else jax.random.fold_in(key, i)
+        d_B, q_BxV = sample(logits_BxV, sub_key, temperature=temperature, top_k=top_k, top_p=top_p)
       drafts.append(d_B)
       probs.append(q_BxV)
       if grammar is not None and grammar_per_position:

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax import validate
-from mtp_jax.sampling import filtered_probs
+from mtp_jax.sampling import RowSampling, filtered_probs, row_probs
 from mtp_jax.tree import TreeSpec, check_tree
 
 
@@ -98,6 +98,38 @@ def verify_sampling(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV, key, *, temper
   residual_BxV = _residual(_at(p_BxK1xV, a_B), _at(q_pad, a_B))
   next_B = jax.random.categorical(key_next, jnp.log(residual_BxV), axis=-1).astype(jnp.int32)
   return a_B, next_B
+
+
+def verify_rows(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV, keys_B, rows: RowSampling, num_drafts_B=None):
+  """`verify_sampling` with each row's own settings, key and draft count (one program for any mix).
+
+  Args:
+    logits_BxK1xV: float32[B, k + 1, V]; drafts_BxK: int32[B, k]; draft_probs_BxKxV: float32[B, k, V],
+      the distributions the drafts were drawn from (one-hot for greedy rows).
+    keys_B: a PRNG key per row; rows: `RowSampling` (temperature 0: greedy).
+    num_drafts_B: int32[B] in 0..k (default k): row b verifies only its first num_drafts_B[b]
+      drafts and draws its next token from the target's distribution after them.
+  Returns (num_accepted int32[B], next_token int32[B]).
+
+  A greedy row's distributions are one-hot, so acceptance is "draft == argmax" and the next token the
+  argmax: exactly `verify_greedy`. A row's draws come from its own key, one per draft position
+  (fold_in), so its tokens do not depend on its neighbours or on k beyond its num_drafts_B.
+  """
+  logits_BxK1xV, drafts_BxK, draft_probs_BxKxV = _check(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV)
+  b, k = drafts_BxK.shape
+  cap_B = jnp.full((b,), k, jnp.int32) if num_drafts_B is None else jnp.asarray(num_drafts_B, jnp.int32)
+  p_BxK1xV = row_probs(logits_BxK1xV, rows)
+  p_d = jnp.take_along_axis(p_BxK1xV[:, :k], drafts_BxK[..., None], axis=-1)[..., 0]
+  q_d = jnp.take_along_axis(draft_probs_BxKxV, drafts_BxK[..., None], axis=-1)[..., 0]
+  u_BxK = jax.vmap(lambda key: jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key, i)))(jnp.arange(k)))(
+      jax.vmap(lambda key: jax.random.fold_in(key, 0))(keys_B)) if k else jnp.zeros((b, 0))
+  in_cap_BxK = jnp.arange(k)[None] < cap_B[:, None]
+  a_B = _first_rejection((u_BxK * q_d < p_d) & in_cap_BxK)
+  # Past a row's cap nothing was drafted: the next token comes from p itself (q = 0 there).
+  q_pad = jnp.concatenate([draft_probs_BxKxV * in_cap_BxK[..., None], jnp.zeros_like(p_BxK1xV[:, :1])], axis=1)
+  residual_BxV = _residual(_at(p_BxK1xV, a_B), _at(q_pad, a_B))
+  next_B = jax.vmap(lambda key, r: jax.random.categorical(jax.random.fold_in(key, 1), jnp.log(r)))(keys_B, residual_BxV)
+  return a_B, next_B.astype(jnp.int32)
 
 
 def _positive_temperature(temperature, rule):

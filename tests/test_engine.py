@@ -6,10 +6,12 @@ import time
 import pytest
 
 import mtp_jax
-from mtp_jax import Engine
+from mtp_jax import Engine, grammar
+from mtp_jax.serving.engine import DraftPolicy
 
 from test_generate import K, PROPOSER5, TARGET5
-from test_grammar_generate import EOS, G, MAX_NEW, PROMPTS, PROPOSER, TARGET, _assert_matches
+from test_grammar_generate import (BOS, EOS, G, MAX_NEW, PATTERN, PROMPTS, PROPOSER, TARGET, VOCAB,
+                                   _assert_matches)
 
 # 3 slots but 40 pages of 2 rows: two requests of 14 and 12 pages hold 26, so a third of 15 waits
 # for pages with a slot free, and a slot that finishes is refilled from the queue. The pages
@@ -113,7 +115,8 @@ def test_metrics_deadlines_and_a_bounded_queue_return_every_page():
   assert (m["requests_finished_total"], m["requests_cancelled_total"], m["requests_running"]) == (1, 2, 0)
   assert m["tokens_generated_total"] == sum(len(r.tokens) for r in engine.requests.values())
   assert m["verify_steps_total"] == sum(r.verify_calls for r in engine.requests.values()) > 0
-  assert m["drafts_proposed_total"] == K * m["verify_steps_total"]
+  assert m["drafts_proposed_total"] == sum(m["drafts_proposed_at"]) <= K * m["verify_steps_total"]
+  assert all(a <= p for a, p in zip(m["drafts_accepted_at"], m["drafts_proposed_at"]))
   assert m["drafts_accepted_total"] == sum(m["drafts_accepted_at"]) > 0
   assert m["pages_in_use"] == 0 and engine.free_pages() == SETTINGS["num_pages"] and engine.num_running == 0
   assert m["ttft_seconds_p50"] > 0 and m["itl_seconds_p99"] >= m["itl_seconds_p50"] >= 0
@@ -122,11 +125,86 @@ def test_metrics_deadlines_and_a_bounded_queue_return_every_page():
   assert 'mtp_jax_drafts_accepted_at{position="1"} ' in text and 'mtp_jax_ttft_seconds{quantile="0.99"}' in text
 
 
+def _alone_in_engine(prompt, max_new_tokens, **settings) -> list[int]:
+  engine = Engine(TARGET5, PROPOSER5, **SETTINGS, num_drafts=K)
+  rid = engine.add_request(prompt, max_new_tokens, **settings)
+  return engine.run()[rid]
+
+
+def test_mixed_settings_each_request_as_if_alone():
+  """Greedy, seeded sampled and undrafted requests side by side, admitted at different times: a
+  greedy one equals generate alone (with or without drafts); a sampled one with a seed gives the
+  tokens it gives in an engine of its own (per-request key streams, one compiled step)."""
+  sampled = dict(temperature=1.5, top_k=4, seed=7)
+  nucleus = dict(temperature=0.9, top_p=0.9, seed=3, num_drafts=1)
+  engine = Engine(TARGET5, PROPOSER5, **SETTINGS, num_drafts=K)
+  a = engine.add_request([1, 2, 3], 20)
+  b = engine.add_request([4, 0, 1], 16, **sampled)
+  engine.step()
+  c = engine.add_request([2, 2, 4, 1], 12, num_drafts=0)
+  d = engine.add_request([3], 10, **nucleus)
+  out = engine.run()
+  assert out[a] == _alone((1, 2, 3))[:20]
+  assert out[c] == _alone((2, 2, 4, 1))[:12]
+  assert engine.requests[c].stats["accepted_length"] == 1.0  # drafted for, never verified
+  assert out[b] == _alone_in_engine([4, 0, 1], 16, **sampled) != _alone((4, 0, 1))[:16]
+  assert out[d] == _alone_in_engine([3], 10, **nucleus)
+  assert engine.free_pages() == SETTINGS["num_pages"] and engine.num_running == 0
+
+
+def test_end_tokens_per_request():
+  """eos_token_ids cuts a request at the first of its end tokens (kept), its neighbour runs on."""
+  want = _alone((1, 2, 3))[:20]
+  stop = want[5]
+  engine = Engine(TARGET5, PROPOSER5, **SETTINGS, num_drafts=K)
+  cut = engine.add_request([1, 2, 3], 20, eos_token_ids=[stop])
+  full = engine.add_request([1, 2, 3], 20)
+  out = engine.run()
+  assert out[cut] == want[:want.index(stop) + 1] and out[full] == want
+
+
+def test_grammars_per_request_come_and_go():
+  """Three grammars, two at a time: the union is rebuilt when a third arrives (the finished one's
+  grammar dropped, the running one's states renumbered) and each request equals generate alone
+  under its own grammar."""
+  g2 = grammar.from_regex(r"[0-9]{1,2}(,[0-9]{1,3}){2,4}", VOCAB, eos_token_id=EOS)
+  g3 = grammar.from_regex(r"(12|,3|007)+", VOCAB, eos_token_id=EOS)
+  engine = Engine(TARGET, PROPOSER, max_batch=2, max_len=64, page_size=8, eos_token_id=EOS, grammar=G, num_drafts=K)
+  short = engine.add_request(PROMPTS[0], 3)  # the engine's grammar, by default
+  long = engine.add_request(PROMPTS[1], MAX_NEW, grammar=g2)
+  while engine.requests[short].status == "running" or engine.requests[short].status == "waiting":
+    engine.step()
+  third = engine.add_request(PROMPTS[2], MAX_NEW, grammar=g3)
+  engine.step()
+  assert engine.requests[long].status == "running" and [*engine._grammars] == [g2, g3]
+  out = engine.run()
+  for rid, g in ((short, G), (long, g2), (third, g3)):
+    req = engine.requests[rid]
+    want = mtp_jax.generate(TARGET, PROPOSER, [req.prompt], req.max_new_tokens, num_drafts=K, eos_token_id=EOS,
+                            grammar=g).tokens[0]
+    assert out[rid] == want, rid
+
+
+def test_draft_policy_tries_each_width_then_picks_the_most_tokens_per_second():
+  policy = DraftPolicy(3)
+  picks = []
+  for _ in range(4):
+    picks.append(policy.choose(1, [0] * 3, [0] * 3))
+    policy.record(picks[-1], 1, 0.01)
+  assert picks == [3, 2, 1, 0]  # untried widths first, widest first
+  assert policy.choose(1, [0] * 3, [0] * 3) == 3  # equal step times: drafts are free (prior acceptance)
+  assert policy.choose(1, [0, 0, 0], [100] * 3) == 0  # measured: drafts are never accepted
+  for k, seconds in enumerate([0.010, 0.016, 0.024, 0.032]):
+    policy.record(k, 8, seconds)
+  assert policy.choose(7, [80, 60, 40], [100] * 3) == 1  # 1.8 / 0.016 beats 1 / 0.010 and 2.4 / 0.024
+  assert policy.choose(8, [20, 5, 1], [100] * 3) == 0  # low acceptance at full batch: no drafts
+
+
 class TestErrors:
 
   def test_request_longer_than_the_engine_limit(self):
     engine = Engine(TARGET5, PROPOSER5, **SETTINGS)
-    with pytest.raises(ValueError, match=r"len\(prompt\)=40 \+ max_new_tokens=30 \+ k \+ 1 = 74 > max_len=64"):
+    with pytest.raises(ValueError, match=r"len\(prompt\)=40 \+ max_new_tokens=30 \+ K \+ 1 = 74 > max_len=64"):
       engine.add_request([1] * 40, 30)
     with pytest.raises(ValueError, match="prompt is empty"):
       engine.add_request([], 3)
@@ -154,6 +232,29 @@ class TestErrors:
         engine.add_request(bad, 4)
       assert e.value.argument == "prompt"
     assert engine.num_waiting == 0
+
+  def test_per_request_settings(self):
+    engine = Engine(TARGET, PROPOSER, max_batch=2, max_len=64, page_size=8, eos_token_id=EOS, grammar=G, num_drafts=K)
+    other_eos = grammar.from_regex(PATTERN, VOCAB, eos_token_id=BOS)
+    for kwargs, name, match in (
+        (dict(temperature=-1.0), "temperature", "temperature must be"), (dict(top_p=0.0), "top_p", "top_p must be"),
+        (dict(top_k=0), "top_k", "top_k must be"), (dict(seed=-1), "seed", "seed must be"),
+        (dict(num_drafts=K + 1), "num_drafts", f"num_drafts must be an int in 0..{K}"),
+        (dict(num_drafts="most"), "num_drafts", "num_drafts must be an int"),
+        (dict(eos_token_ids=[99]), "eos_token_ids[0]", "eos_token_ids\\[0\\] must be"),
+        (dict(eos_token_ids=list(range(9))), "eos_token_ids", "at most 8 end tokens"),
+        (dict(eos_token_ids=3), "eos_token_ids", "must be a list of token ids"),
+        (dict(grammar="x"), "grammar", "grammar must be"),
+        (dict(grammar=other_eos), "grammar", f"grammar's eos_token_id={BOS} differs")):
+      with pytest.raises((ValueError, TypeError), match=match) as e:
+        engine.add_request([1], 3, **kwargs)
+      assert e.value.argument == name, kwargs
+    relaxed = Engine(TARGET5, PROPOSER5, **SETTINGS, relaxed=(2, 0.1))
+    with pytest.raises(ValueError, match="temperature is engine-wide on a tree or relaxed engine"):
+      relaxed.add_request([1], 3, temperature=0.5)
+    with pytest.raises(ValueError, match='num_drafts="auto" needs an engine with a proposer'):
+      Engine(TARGET5, None, **SETTINGS).add_request([1], 3, num_drafts="auto")
+    assert engine.num_waiting == relaxed.num_waiting == 0
 
   def test_grammar_needs_its_eos(self):
     with pytest.raises(ValueError, match="a grammar ends sequences with eos: pass eos_token_id") as e:

@@ -37,3 +37,15 @@ def test_bad_settings():
     filtered_probs(LOGITS, temperature=1.0, top_p=1.5)
   with pytest.raises(ValueError, match=r"top_k must be an int in 1\.\.\d+, got 0"):
     filtered_probs(LOGITS, temperature=1.0, top_k=0)
+
+
+def test_row_probs_equal_filtered_probs_row_by_row():
+  """One program for a mix of settings: each row's distribution is filtered_probs with its own."""
+  from mtp_jax.sampling import RowSampling, row_probs
+  settings = [(0.0, None, None), (1.0, 2, None), (0.5, None, 0.8), (1.3, 3, 0.9), (1.0, None, None)]
+  logits_BxV = jnp.asarray(np.random.default_rng(0).normal(size=(len(settings), 5)), jnp.float32)
+  rows = RowSampling.of(*zip(*settings))
+  got = row_probs(logits_BxV[:, None], rows)[:, 0]
+  for i, (t, k, p) in enumerate(settings):
+    np.testing.assert_allclose(got[i], filtered_probs(logits_BxV[i:i + 1], temperature=t, top_k=k, top_p=p)[0],
+                               rtol=1e-5, atol=1e-7, err_msg=str(settings[i]))

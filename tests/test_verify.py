@@ -75,3 +75,30 @@ def test_relaxed_accepts_near_top_drafts_only():
   a, nxt = mtp_jax.verify_relaxed(logits, drafts, top_n=2, delta=0.1)
   np.testing.assert_array_equal(a, [1, 0])  # 0.35 is within 0.1 of 0.40; 0.10 is outside the top 2
   np.testing.assert_array_equal(nxt, [0, 2])
+
+
+def test_verify_rows_greedy_rows_are_verify_greedy_and_sampled_rows_lossless():
+  """verify_rows over a batch mixing greedy and sampled rows: the greedy rows give verify_greedy's
+  answer; a sampled row's first emitted token follows p (chi-square), under a cap of 0 and 1."""
+  from mtp_jax.sampling import RowSampling
+  logits = jnp.asarray(np.eye(V)[[[1, 2, 3, 4], [1, 2, 3, 4], [1, 2, 3, 4]]] * 5.0, jnp.float32)
+  drafts = jnp.asarray([[1, 2, 3], [1, 0, 3], [5, 2, 3]], jnp.int32)
+  q = jax.nn.one_hot(drafts, V)
+  rows = RowSampling.of([0.0] * 3, [None] * 3, [None] * 3)
+  keys = jax.random.split(jax.random.key(0), 3)
+  a, nxt = verify.verify_rows(logits, drafts, q, keys, rows)
+  np.testing.assert_array_equal(a, [3, 1, 0])
+  np.testing.assert_array_equal(nxt, [4, 2, 1])
+  a, nxt = verify.verify_rows(logits, drafts, q, keys, rows, jnp.asarray([1, 0, 2]))
+  np.testing.assert_array_equal(a, [1, 0, 0])  # the cap stops acceptance; the next token is the argmax after it
+  np.testing.assert_array_equal(nxt, [2, 1, 1])
+
+  p_logits = jnp.asarray([2.0, 1.0, 0.5, 0.0, -1.0, 1.5])
+  q_probs = jax.nn.softmax(jnp.asarray([0.0, 2.0, 0.5, 1.0, 0.0, -1.0]))
+  p = np.asarray(jax.nn.softmax(p_logits))
+  n_rows = RowSampling.of([1.0] * N, [None] * N, [None] * N)
+  for cap in (1, 0):
+    def rule(logits, drafts, q, key, *, temperature):
+      del temperature
+      return verify.verify_rows(logits, drafts, q, jax.random.split(key, N), n_rows, jnp.full((N,), cap))
+    assert _chi2_pvalue(_first_token_counts(rule, p_logits, q_probs, 0), p) > 1e-3, cap

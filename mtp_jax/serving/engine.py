@@ -1,6 +1,8 @@
 """The continuous-batching Engine: requests come and go, a driver over `DecodeStep`.
 
-The engine owns one `LoopState` of `max_batch` slots with paged caches. `step()`:
+The engine owns one `LoopState` of `max_batch` slots with paged caches. Each request brings its
+own settings (temperature, top_k, top_p, seed, num_drafts, end tokens, grammar): they live in the
+state as per-slot arrays (`SlotSettings`), so any mix runs one compiled step. `step()`:
 
 1. admits waiting requests into free slots (FIFO, while the page pool can hold each one's
    worst case): one jitted `prefill` over the admitted slots writes their prompt rows, emits
@@ -13,7 +15,14 @@ The engine owns one `LoopState` of `max_batch` slots with paged caches. `step()`
 Every jitted call donates the loop state, so the caches are updated in place. Host work per
 step is one read (tokens, counters and the next step's page need). Greedy output per request
 equals `generate` run on that request alone: a slot's rows, pages and counters are its own, and
-the step masks the rest.
+the step masks the rest. A sampled request's tokens depend on its seed and its own draft count
+only: each slot draws from its own key stream (with num_drafts="auto" the count follows the load,
+so the tokens may too; their distribution does not).
+
+Speculation adapts (`num_drafts="auto"`, `DraftPolicy`): before each call the engine picks how
+many drafts the target verifies from the running requests' count, the measured acceptance per
+draft position and the measured time of a step at each width; the proposer always drafts K, so
+any width may follow any other.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import time
 from collections.abc import Iterator, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax import grammar as grammar_lib
@@ -35,7 +45,9 @@ from mtp_jax.serving import options
 from mtp_jax.serving.metrics import Samples
 from mtp_jax.serving.generate import padded_prompts
 from mtp_jax.serving.options import Paging, StepSettings
-from mtp_jax.serving.step import DecodeStep, jit_free, jit_pages_needed, jit_prefill, jit_run_for
+from mtp_jax.sampling import RowSampling
+from mtp_jax.serving.step import (EOS_PER_SLOT, DecodeStep, SlotSettings, jit_free, jit_pages_needed, jit_prefill,
+                                  jit_run_for)
 from mtp_jax.target import TargetModel
 from mtp_jax.tree import TreeSpec
 
@@ -56,7 +68,13 @@ class Request:
   id: int
   prompt: list[int]
   max_new_tokens: int
-  constrained: bool = False
+  grammar: grammar_lib.Grammar | None = None
+  temperature: float = 0.0
+  top_k: int | None = None
+  top_p: float | None = None
+  seed: int | None = None
+  num_drafts: int | str = 0
+  eos_token_ids: tuple[int, ...] = ()
   tokens: list[int] = dataclasses.field(default_factory=list)
   status: str = "waiting"
   slot: int | None = None
@@ -81,6 +99,40 @@ class Request:
 
 
 
+@dataclasses.dataclass
+class DraftPolicy:
+  """How many drafts a step verifies under num_drafts="auto" (host side, one per Engine).
+
+  It keeps the measured seconds per decode step for each width k = 0..K and batch bucket (running
+  requests rounded up to a power of two), and picks the k with the most tokens per second:
+  running x (1 + sum_{i<k} r_i) / seconds(k, bucket), r_i the measured rate at which draft i is
+  accepted when verified (a prior of 0.5^(i + 1) until 16 verifications). A width not yet timed
+  at a bucket is tried first (widest first); a call that compiled is not a sample. So a step
+  drafts like k = K where drafts pay (few requests, high acceptance) and less, down to 0, where
+  the wider target forward costs more than the tokens it wins (many requests, low acceptance).
+  """
+
+  max_drafts: int
+  seconds: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> recent seconds per step
+
+  @staticmethod
+  def bucket(num_running: int) -> int:
+    return 1 << max(0, num_running - 1).bit_length()
+
+  def choose(self, num_running: int, accepted_at, proposed_at) -> int:
+    b = self.bucket(num_running)
+    untried = [k for k in range(self.max_drafts, -1, -1) if not self.seconds.get((k, b))]
+    if untried:
+      return untried[0]
+    rate = [a / p if p >= 16 else 0.5 ** (i + 1) for i, (a, p) in enumerate(zip(accepted_at, proposed_at))]
+    gain = lambda k: (1 + sum(rate[:k])) / float(np.median(self.seconds[(k, b)]))
+    return max(range(self.max_drafts + 1), key=gain)
+
+  def record(self, k: int, num_running: int, seconds_per_step: float) -> None:
+    samples = self.seconds.setdefault((k, self.bucket(num_running)), collections.deque(maxlen=8))
+    samples.append(seconds_per_step)
+
+
 class Engine:
   """Continuous batching: requests come and go; each slot is refilled as soon as it frees.
 
@@ -88,15 +140,17 @@ class Engine:
     target, proposer: as for `generate` (proposer None decodes without drafts).
     max_batch: slots decoded together.
     max_len: rows per sequence: a request needs len(prompt) + max_new_tokens + R <= max_len, R
-      the rows of a step (k + 1, or a tree's nodes + 1).
+      the rows of a step (K + 1, or a tree's nodes + 1).
     page_size, num_pages: the paged caches (page_size must divide max_len; num_pages per layer,
       default max_batch * max_len / page_size, at least max_len / page_size).
-    num_drafts, temperature, top_k, top_p, eos_token_id, seed, relaxed, tree: as for
-      `generate`, shared by all requests (they are static settings of the jitted step). Greedy
-      output per request equals `generate` on that request alone; sampling draws from the
-      engine's one key stream.
-    grammar: a `mtp_jax.grammar.Grammar` for the requests added with constrained=True (by
-      default all of them, as `generate`'s constrained); needs eos_token_id equal to its own.
+    num_drafts: the requests' default: an int 0..K, or "auto" (the default with a proposer; see
+      `DraftPolicy`). temperature, top_k, top_p, eos_token_id, seed: the requests' defaults
+      (`add_request` overrides each). A request's default seed is the engine's seed folded with
+      its id.
+    relaxed, tree: as for `generate`; such an engine decodes every request with its engine-wide
+      settings (sampling, num_drafts, end token), which `add_request` then refuses to override.
+    grammar: the default `mtp_jax.grammar.Grammar` of requests (constrained by default; needs
+      eos_token_id equal to its own); `add_request(grammar=)` takes any other.
     mesh: a `mtp_jax.sharding.make_mesh` mesh for the slots' states (shard the params with
       `shard_params`).
     max_waiting: requests the queue may hold (default unbounded); `add_request` on a full queue
@@ -107,26 +161,41 @@ class Engine:
 
   def __init__(self, target: TargetModel, proposer: MtpModel | None, *, max_batch: int = 8,
                max_len: int = 512, page_size: int = 16, num_pages: int | None = None,
-               num_drafts: int | None = None, temperature: float = 0.0, top_k: int | None = None,
+               num_drafts: int | str | None = None, temperature: float = 0.0, top_k: int | None = None,
                top_p: float | None = None, eos_token_id: int | None = None, seed: int = 0,
                grammar: grammar_lib.Grammar | None = None, relaxed: tuple[int, float] | None = None,
                tree: TreeSpec | None = None, mesh: jax.sharding.Mesh | None = None,
                max_waiting: int | None = None, steps_per_call: int = 4):
-    d = options.decoding(target, proposer, num_drafts=num_drafts, temperature=temperature, top_k=top_k,
-                         top_p=top_p, seed=seed, eos_token_id=eos_token_id, relaxed=relaxed, tree=tree,
-                         grammar=grammar)
+    self.per_slot = tree is None and relaxed is None
+    auto = proposer is not None and self.per_slot and (num_drafts is None or num_drafts == "auto")
+    if num_drafts == "auto" and not auto:
+      raise validate.InvalidValue("num_drafts", 'num_drafts="auto" needs a proposer and a chain without relaxed '
+                                                "acceptance")
+    d = options.decoding(target, proposer, num_drafts=None if auto or num_drafts == 0 else num_drafts,
+                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
+                         relaxed=relaxed, tree=tree, grammar=grammar)
     max_batch = validate.positive_int("max_batch", max_batch)
     self.max_waiting = validate.optional_int("max_waiting", max_waiting, 0)
     self.steps_per_call = validate.positive_int("steps_per_call", steps_per_call)
     max_len = validate.integer("max_len", max_len, d.rows_per_step + 1)
     page_size, num_pages = options.paging(max_len, page_size, num_pages, max_batch)
-    self.target, self.proposer, self.grammar = target, proposer, grammar
-    self.num_drafts, self.max_len, self.page_size, self.num_pages = d.num_drafts, max_len, page_size, num_pages
+    self.target, self.proposer = target, proposer
+    self.max_drafts = d.num_drafts  # K: what the proposer drafts every step
+    self.num_drafts = "auto" if auto else (0 if num_drafts == 0 else d.num_drafts)  # the requests' default
+    self.defaults = d
+    self.max_len, self.page_size, self.num_pages = max_len, page_size, num_pages
+    self.policy = DraftPolicy(self.max_drafts) if auto else None
     self._step = DecodeStep(StepSettings(
         num_drafts=d.num_drafts, max_new_tokens=max_len, max_len=max_len, sampling=d.sampling,
-        eos_token_id=d.eos_token_id, relaxed=d.relaxed, tree=tree, mesh=mesh,
+        eos_token_id=d.eos_token_id, relaxed=d.relaxed, tree=tree, mesh=mesh, per_slot=self.per_slot,
+        verify_drafts=d.num_drafts if self.per_slot else None,
         paging=Paging(page_size, num_pages, budget_bucket(0, num_pages))))
-    self._s = self._step.init(target, proposer, grammar, max_batch, jax.random.key(d.seed))
+    self.grammar = grammar
+    self._grammar_eos = None if grammar is None else grammar.eos_token_id  # every grammar of the engine ends so
+    self._grammars: list[grammar_lib.Grammar] = []  # the grammars in the union, in its order
+    self._union, self._offsets = None, []
+    self._key = jax.random.key(d.seed)  # requests' default keys fold their ids into it
+    self._s = self._step.init(target, proposer, None, max_batch, jax.random.key(d.seed))  # donated: its own buffer
     self._slots: list[int | None] = [None] * max_batch
     self._waiting: collections.deque[int] = collections.deque()
     self._reserved = 0
@@ -135,7 +204,9 @@ class Engine:
     self.requests: dict[int, Request] = {}
     self._ttft, self._itl = Samples(), Samples()
     self._steps, self._step_seconds, self._verify_steps = 0, 0.0, 0
-    self._accepted_at = np.zeros((self.num_drafts,), np.int64)
+    self._accepted_at = np.zeros((self.max_drafts,), np.int64)
+    self._proposed_at = np.zeros((self.max_drafts,), np.int64)
+    self._compiled: set = set()  # step settings that ran once (the next call of each is a timing sample)
 
   @property
   def page_budget(self) -> int:
@@ -144,34 +215,106 @@ class Engine:
 
   # -- requests --
 
-  def add_request(self, prompt: Sequence[int], max_new_tokens: int, *, constrained: bool | None = None,
+  def add_request(self, prompt: Sequence[int], max_new_tokens: int, *, temperature: float | None = None,
+                  top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
+                  num_drafts: int | str | None = None, eos_token_ids: Sequence[int] | None = None,
+                  grammar: grammar_lib.Grammar | None = None, constrained: bool | None = None,
                   deadline_s: float | None = None) -> int:
-    """Queues a request; returns its id. Raises ValueError naming the argument and the limit, and
-    `QueueFull` when max_waiting requests are already waiting.
+    """Queues a request; returns its id. Raises ValueError / TypeError naming the argument and the
+    limit, and `QueueFull` when max_waiting requests are already waiting.
 
-    constrained: decode under the engine's grammar (default: whenever the engine has one);
-      False decodes free of it, as `generate`'s constrained[i] = False.
+    temperature, top_k, top_p, seed, num_drafts (0..K or "auto"), eos_token_ids (at most
+      EOS_PER_SLOT ids): this request's settings; None takes the engine's. A tree or relaxed
+      engine refuses them (its settings are engine-wide).
+    grammar: a `mtp_jax.grammar.Grammar` for this request (default: the engine's); the grammars of
+      one engine share their eos_token_id, which ends the request. constrained: False decodes free
+      of any grammar, True insists on one.
     deadline_s: seconds from now after which the request is stopped, waiting or running
       (status "timed_out", its slot and pages freed; the tokens so far are kept).
     """
-    prompt = options.check_prompt("prompt", prompt, self.target.cfg.vocab_size).tolist()
+    v = self.target.cfg.vocab_size
+    prompt = options.check_prompt("prompt", prompt, v).tolist()
     max_new_tokens = validate.positive_int("max_new_tokens", max_new_tokens)
-    constrained = self.grammar is not None if constrained is None else validate.flag("constrained", constrained)
     deadline_s = None if deadline_s is None else validate.real("deadline_s", deadline_s, 0.0, lo_open=True)
-    if constrained and self.grammar is None:
-      raise validate.InvalidValue("constrained", "constrained=True needs a grammar: pass Engine(..., grammar=...)")
-    need = len(prompt) + max_new_tokens + self._step.settings.rows_per_step
+    given = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, num_drafts=num_drafts,
+                 eos_token_ids=eos_token_ids)
+    named = [name for name, value in given.items() if value is not None]
+    if named and not self.per_slot:
+      raise validate.InvalidValue(named[0], f"{named[0]} is engine-wide on a tree or relaxed engine: pass it to "
+                                            "Engine(...) instead")
+    d = self.defaults.sampling
+    temperature, top_k, top_p = validate.sampling(d.temperature if temperature is None else temperature,
+                                                  d.top_k if top_k is None else top_k,
+                                                  d.top_p if top_p is None else top_p)
+    seed = None if seed is None else validate.integer("seed", seed, 0, 2**32 - 1)
+    num_drafts = self._check_num_drafts(self.num_drafts if num_drafts is None else num_drafts)
+    grammar = self._check_grammar(grammar, constrained)
+    eos = self._check_eos(eos_token_ids, grammar)
+    need = len(prompt) + max_new_tokens + self.defaults.rows_per_step
     if need > self.max_len:
-      what = "k + 1" if self._step.settings.tree is None else "the tree nodes + 1"
+      what = "K + 1" if self.defaults.tree is None else "the tree nodes + 1"
       raise validate.InvalidValue("prompt", f"request too long for the engine: len(prompt)={len(prompt)} + "
                                   f"max_new_tokens={max_new_tokens} + {what} = {need} > max_len={self.max_len}")
     if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
       raise QueueFull(f"the engine's waiting queue is full (max_waiting={self.max_waiting}); retry later")
+    if grammar is not None:
+      self._grammar_eos = grammar.eos_token_id
     rid = next(self._ids)
-    self.requests[rid] = Request(rid, prompt, max_new_tokens, constrained, pages=-(-need // self.page_size),
-                                 deadline_s=deadline_s, arrived_at=time.perf_counter())
+    self.requests[rid] = Request(rid, prompt, max_new_tokens, grammar, temperature, top_k, top_p, seed, num_drafts,
+                                 eos, pages=-(-need // self.page_size), deadline_s=deadline_s,
+                                 arrived_at=time.perf_counter())
     self._waiting.append(rid)
     return rid
+
+  def _check_num_drafts(self, num_drafts) -> int | str:
+    if num_drafts == "auto":
+      if self.policy is None:
+        raise validate.InvalidValue("num_drafts", 'num_drafts="auto" needs an engine with a proposer and a chain '
+                                                  "without relaxed acceptance")
+      return num_drafts
+    num_drafts = validate.integer("num_drafts", num_drafts, 0, self.max_drafts)
+    if not self.per_slot and num_drafts != self.max_drafts:
+      raise validate.InvalidValue("num_drafts", f"a tree or relaxed engine drafts num_drafts={self.max_drafts}")
+    return num_drafts
+
+  def _check_grammar(self, grammar, constrained) -> grammar_lib.Grammar | None:
+    constrained = None if constrained is None else validate.flag("constrained", constrained)
+    if grammar is not None:
+      validate.instance("grammar", grammar, grammar_lib.Grammar, "a mtp_jax.grammar.Grammar")
+    grammar = grammar if grammar is not None else self.grammar
+    if constrained is False:
+      return None
+    if constrained and grammar is None:
+      raise validate.InvalidValue("constrained", "constrained=True needs a grammar: pass grammar= here or to Engine")
+    if grammar is None:
+      return None
+    v = self.target.cfg.vocab_size
+    if grammar.vocab_size > v:
+      raise validate.InvalidValue("grammar", f"grammar has {grammar.vocab_size} tokens, more than the target's "
+                                             f"vocab_size={v}")
+    eos = self._grammar_eos
+    if eos is None:
+      eos = grammar.eos_token_id if self.per_slot else self.defaults.eos_token_id
+    if grammar.eos_token_id != eos:
+      raise validate.InvalidValue("grammar", f"grammar's eos_token_id={grammar.eos_token_id} differs from this "
+                                             f"engine's (eos_token_id={eos}): one engine's grammars share one")
+    return grammar
+
+  def _check_eos(self, eos_token_ids, grammar) -> tuple[int, ...]:
+    if eos_token_ids is None:
+      eos = () if self.defaults.eos_token_id is None else (self.defaults.eos_token_id,)
+    else:
+      if isinstance(eos_token_ids, (str, bytes)) or not isinstance(eos_token_ids, (Sequence, np.ndarray)):
+        raise validate.InvalidType("eos_token_ids", "eos_token_ids must be a list of token ids, got "
+                                                    f"{type(eos_token_ids).__name__}")
+      v = self.target.cfg.vocab_size
+      eos = tuple(validate.integer(f"eos_token_ids[{i}]", t, 0, v - 1) for i, t in enumerate(eos_token_ids))
+    if grammar is not None and grammar.eos_token_id not in eos:
+      eos += (grammar.eos_token_id,)  # a grammar's sequences end with its eos
+    if len(set(eos)) > EOS_PER_SLOT:
+      raise validate.InvalidValue("eos_token_ids", f"at most {EOS_PER_SLOT} end tokens per request (the "
+                                                   f"grammar's included), got {len(set(eos))}")
+    return tuple(dict.fromkeys(eos))
 
   def cancel(self, request_id: int) -> None:
     """Drops a waiting request or stops a running one (its slot and pages are freed at once)."""
@@ -214,8 +357,9 @@ class Engine:
         requests_running=self.num_running, requests_waiting=self.num_waiting,
         requests_finished_total=status["finished"], requests_cancelled_total=status["cancelled"] + status["timed_out"],
         requests_out_of_pages_total=status["out_of_pages"], tokens_generated_total=tokens,
-        verify_steps_total=self._verify_steps, drafts_proposed_total=self._verify_steps * self.num_drafts,
-        drafts_accepted_total=accepted, drafts_accepted_at=self._accepted_at.tolist(),
+        verify_steps_total=self._verify_steps, drafts_proposed_total=int(self._proposed_at.sum()),
+        drafts_proposed_at=self._proposed_at.tolist(), drafts_accepted_total=accepted,
+        drafts_accepted_at=self._accepted_at.tolist(), verify_width=self._step.settings.verify_width,
         mean_accepted_length=(accepted / self._verify_steps + 1) if self._verify_steps else float("nan"),
         pages_in_use=self.num_pages - self.free_pages(), pages_total=self.num_pages,
         cache_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(caches)),
@@ -233,12 +377,32 @@ class Engine:
     if not self.num_running:
       return {}
     n = 1 if self._waiting and None in self._slots else self.steps_per_call
+    self._set_width()
     self._rebudget(self._step.rows_next(self._s) * self.steps_per_call, self._next_pages)
-    self._s = jit_run_for(self._step, self.target, self.proposer, self.grammar, self._s, np.int32(n))
-    gained = self._collect()
+    step, running, t1 = self._step, self.num_running, time.perf_counter()
+    self._s = jit_run_for(step, self.target, self.proposer, self._union, self._s, np.int32(n))
+    gained, steps = self._collect()
+    now = time.perf_counter()
+    if self.policy is not None and steps:
+      if step in self._compiled:  # else the call compiled: not a sample of the step's time
+        self.policy.record(step.settings.verify_width, running, (now - t1) / steps)
+      self._compiled.add(step)
     self._steps += 1
-    self._step_seconds += time.perf_counter() - t0
+    self._step_seconds += now - t0
     return gained
+
+  def _set_width(self) -> None:
+    """Sets the drafts the next call verifies: the most any running request asks for, "auto" ones
+    as the `DraftPolicy` says (a tree or relaxed engine verifies all it drafts)."""
+    if not self.per_slot:
+      return
+    running = [self.requests[rid] for rid in self._slots if rid is not None]
+    k = max((r.num_drafts for r in running if r.num_drafts != "auto"), default=0)
+    if any(r.num_drafts == "auto" for r in running):
+      k = max(k, self.policy.choose(len(running), self._accepted_at, self._proposed_at))
+    if k != self._step.settings.verify_width:
+      self._step = self._step.replace(verify_drafts=k)
+      self._next_pages = None  # read for the old width's rows
 
   def _expire(self, now: float) -> None:
     # Only live requests: the finished ones stay in `requests` and would make every step O(all ever).
@@ -276,14 +440,64 @@ class Engine:
     if not admitted:
       return
     self._next_pages = None  # the prefill takes pages
+    self._use_grammars([r.grammar for r in admitted if r.grammar is not None])
     b = len(self._slots)
     prompts_BxT, lens_B = padded_prompts([r.prompt for r in admitted], b, [r.slot for r in admitted])
-    admit_B, constrained_B, max_new_B = np.zeros((b,), bool), np.zeros((b,), bool), np.zeros((b,), np.int32)
+    admit_B, max_new_B = np.zeros((b,), bool), np.zeros((b,), np.int32)
+    gstart_B = np.full((b,), grammar_lib.FREE, np.int32)
     for r in admitted:
-      admit_B[r.slot], constrained_B[r.slot], max_new_B[r.slot] = True, r.constrained, r.max_new_tokens
+      admit_B[r.slot], max_new_B[r.slot] = True, r.max_new_tokens
+      if r.grammar is not None:
+        gstart_B[r.slot] = self._offsets[self._grammar_index(r.grammar)] + grammar_lib.START
     self._rebudget(lens_B)
-    self._s = jit_prefill(self._step, self.target, self.proposer, self.grammar, self._s, prompts_BxT, lens_B, admit_B,
-                          constrained_B, max_new_B)
+    self._s = jit_prefill(self._step, self.target, self.proposer, self._union, self._s, prompts_BxT, lens_B, admit_B,
+                          gstart_B, max_new_B, self._slot_settings(admitted) if self.per_slot else None)
+
+  def _slot_settings(self, admitted: list[Request]) -> SlotSettings:
+    """The admitted requests' settings in their slots (the other slots' entries are not used).
+    A request's key: key(seed), else the engine's key folded with its id."""
+    b, v = len(self._slots), self.target.cfg.vocab_size
+    temperature, top_k = np.zeros((b,), np.float32), np.zeros((b,), np.int32)
+    top_p, caps = np.ones((b,), np.float32), np.zeros((b,), np.int32)
+    eos = np.full((b, EOS_PER_SLOT), -1, np.int32)
+    keys = [self._key] * b
+    for r in admitted:
+      i = r.slot
+      temperature[i], top_k[i], top_p[i] = r.temperature, min(r.top_k or 0, v), 1.0 if r.top_p is None else r.top_p
+      caps[i] = self.max_drafts if r.num_drafts == "auto" else r.num_drafts
+      eos[i, :len(r.eos_token_ids)] = r.eos_token_ids
+      keys[i] = jax.random.key(r.seed) if r.seed is not None else jax.random.fold_in(self._key, r.id)
+    return SlotSettings(RowSampling(jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p)),
+                        jnp.stack(keys), jnp.asarray(caps), jnp.asarray(eos))
+
+  def _grammar_index(self, grammar: grammar_lib.Grammar) -> int:
+    return next(i for i, g in enumerate(self._grammars) if g is grammar)
+
+  def _use_grammars(self, needed: list[grammar_lib.Grammar]) -> None:
+    """Makes the device grammar (one union of every grammar in use, `grammar.union`) hold `needed`.
+    A new grammar rebuilds the union from the running requests' grammars and the new ones (the
+    finished ones' are dropped), and the running slots' grammar states move to their new numbers."""
+    known = lambda g, gs: any(g is h for h in gs)
+    if all(known(g, self._grammars) for g in needed):
+      return
+    running = [self.requests[rid].grammar for rid in self._slots if rid is not None]
+    keep: list[grammar_lib.Grammar] = []
+    for g in [*(g for g in self._grammars if known(g, running)), *needed]:
+      if not known(g, keep):
+        keep.append(g)
+    union, offsets = grammar_lib.union(keep)
+    gstate_B = self._s.grammar_state
+    if gstate_B is None:
+      gstate_B = jnp.full(self._s.last.shape, grammar_lib.FREE, jnp.int32)
+    else:
+      table = np.full((self._union.num_states,), grammar_lib.DONE, np.int32)  # dropped grammars' states: unused
+      for g, off in zip(keep, offsets):
+        if known(g, self._grammars):
+          old = self._offsets[self._grammar_index(g)]
+          table[old + 1:old + g.num_states] = np.arange(off + 1, off + g.num_states)
+      gstate_B = jnp.where(gstate_B < 0, gstate_B, jnp.asarray(table)[jnp.maximum(gstate_B, 0)])
+    self._s = self._s.set(grammar_state=gstate_B)
+    self._union, self._offsets, self._grammars = union, offsets, keep
 
   def _rebudget(self, num_new_B, pages_needed: int | None = None) -> None:
     """Sets the page budget of the next call, which adds at most num_new_B rows (int32[B]) per slot: it
@@ -296,22 +510,24 @@ class Engine:
       self._step = DecodeStep(self._step.settings.with_budget(budget))
       self._s = self._step.placed(self._s)
 
-  def _collect(self) -> dict[int, list[int]]:
+  def _collect(self) -> tuple[dict[int, list[int]], int]:
+    """(the tokens each running request gained, decode steps the last call ran)."""
     s = self._s
     # The next step's page need comes in the same read: freeing slots only lowers it.
-    num_out, out, done, oom, verify_calls, accepted_at, self._next_pages = jax.device_get(
-        (s.num_out, s.out, s.done, s.out_of_pages, s.verify_calls, s.accepted_at,
+    num_out, out, done, oom, verify_calls, accepted_at, proposed_at, self._next_pages = jax.device_get(
+        (s.num_out, s.out, s.done, s.out_of_pages, s.verify_calls, s.accepted_at, s.proposed_at,
          jit_pages_needed(self._step, s, self._step.rows_next(s) * self.steps_per_call)))
     self._next_pages = int(self._next_pages)
-    self._accepted_at = accepted_at.astype(np.int64)
+    self._accepted_at, self._proposed_at = accepted_at.astype(np.int64), proposed_at.astype(np.int64)
     now = time.perf_counter()
-    gained, finished = {}, []
+    gained, finished, steps = {}, [], 0
     for slot, rid in enumerate(self._slots):
       if rid is None:
         continue
       req = self.requests[rid]
       new = out[slot, len(req.tokens):min(num_out[slot], req.max_new_tokens)].tolist()
       req.tokens += new
+      steps = max(steps, int(verify_calls[slot]) - req.verify_calls)
       self._verify_steps += int(verify_calls[slot]) - req.verify_calls
       req.verify_calls = int(verify_calls[slot])
       gained[rid] = new
@@ -328,7 +544,7 @@ class Engine:
         finished.append(slot)
     if finished:
       self._release(finished)
-    return gained
+    return gained, steps
 
   def _release(self, slots: list[int]) -> None:
     mask_B = np.zeros((len(self._slots),), bool)

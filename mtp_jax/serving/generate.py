@@ -116,7 +116,7 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
   max_len = None if max_len is None else validate.positive_int("max_len", max_len)
   if stream is not None and not callable(stream):
     raise validate.InvalidType("stream", f"stream must be callable or None, got {type(stream).__name__}")
-  constrained_B = _constrained(grammar, constrained, b)
+  gstart_B = np.where(_constrained(grammar, constrained, b), grammar_lib.START, grammar_lib.FREE).astype(np.int32)
   step_rows = d.rows_per_step
   needed = longest + max_new_tokens + step_rows
   if max_len is not None and max_len < needed:
@@ -144,13 +144,13 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
       eos_token_id=d.eos_token_id, relaxed=d.relaxed, tree=tree, draft_masks=draft_masks, mesh=mesh, paging=paging))
   key = jax.random.key(d.seed)
   if stream is None:
-    s = jit_generate(step, target, proposer, grammar, prompts_BxT, lens_B, constrained_B, key, b)
+    s = jit_generate(step, target, proposer, grammar, prompts_BxT, lens_B, gstart_B, key, b)
     while not np.asarray(s.done).all():
       step, s = _resize(step, s, full_len)
       s = jit_run(step, target, proposer, grammar, s)
   else:
     s = jit_prefill(step, target, proposer, grammar, step.init(target, proposer, grammar, b, key), prompts_BxT,
-                    lens_B, np.ones((b,), bool), constrained_B, np.full((b,), max_new_tokens, np.int32))
+                    lens_B, np.ones((b,), bool), gstart_B, np.full((b,), max_new_tokens, np.int32))
     seen = np.zeros(b, np.int64)
     while True:
       num_out, out, done = np.asarray(s.num_out), np.asarray(s.out), np.asarray(s.done)

@@ -69,6 +69,10 @@ class StepSettings:
   (contiguous caches grow between jitted calls; paged ones hold it from the start).
   tree: draft a `TreeSpec` instead of a chain. draft_masks: "per_position", "first" or "none"
   (see `generate`). mesh: place the states on a ("data", "model") mesh.
+  per_slot: sampling, end tokens and draft counts come per slot from the loop state's `slots`
+  (the Engine's requests; a chain without relaxed acceptance); `sampling` and `eos_token_id` are
+  then unused. verify_drafts: drafts the target verifies per step, 0..num_drafts (default all):
+  the proposer still drafts num_drafts, so the next call may verify any number of them.
   """
 
   num_drafts: int
@@ -81,11 +85,28 @@ class StepSettings:
   draft_masks: str = "per_position"
   mesh: jax.sharding.Mesh | None = None
   paging: Paging | None = None
+  per_slot: bool = False
+  verify_drafts: int | None = None
+
+  def __post_init__(self):
+    if self.per_slot and (self.tree is not None or self.relaxed is not None):
+      raise validate.InvalidValue("per_slot", "per-slot settings drive a chain with lossless verification; "
+                                              "tree and relaxed steps take engine-wide settings")
+    if self.verify_drafts is not None and not 0 <= self.verify_drafts <= self.num_drafts:
+      raise validate.InvalidValue("verify_drafts", f"verify_drafts must be in 0..num_drafts={self.num_drafts}, "
+                                                   f"got {self.verify_drafts}")
+    if self.verify_drafts is not None and self.tree is not None:
+      raise validate.InvalidValue("verify_drafts", "a tree step verifies its whole tree")
+
+  @property
+  def verify_width(self) -> int:
+    """Drafts the target verifies per step (a tree: its depth)."""
+    return self.num_drafts if self.verify_drafts is None else self.verify_drafts
 
   @property
   def rows_per_step(self) -> int:
     """Target rows a decode step writes per sequence: [last, d_1..d_k], or the root and the tree's N nodes."""
-    return (self.num_drafts if self.tree is None else self.tree.num_nodes) + 1
+    return (self.verify_width if self.tree is None else self.tree.num_nodes) + 1
 
   def with_budget(self, budget: int) -> "StepSettings":
     return dataclasses.replace(self, paging=dataclasses.replace(self.paging, budget=budget))

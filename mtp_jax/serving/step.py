@@ -37,12 +37,45 @@ import jax.numpy as jnp
 from mtp_jax import grammar as grammar_lib
 from mtp_jax import proposer as prop
 from mtp_jax import sharding
-from mtp_jax.sampling import sample
+from mtp_jax.sampling import RowSampling, row_sample, sample
 from mtp_jax.serving.options import Sampling, StepSettings
 from mtp_jax.target import TargetState, compact_target, init_target_state, reset_target_slots, target_step, trim_target
 from mtp_jax.tree import TreeSpec, node_states
-from mtp_jax.verify import (verify_greedy, verify_relaxed, verify_sampling, verify_tree_greedy, verify_tree_relaxed,
-                            verify_tree_sampling)
+from mtp_jax.verify import (verify_greedy, verify_relaxed, verify_rows, verify_sampling, verify_tree_greedy,
+                            verify_tree_relaxed, verify_tree_sampling)
+
+EOS_PER_SLOT = 8  # end tokens a slot may have (SlotSettings.eos)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotSettings:
+  """Per-slot settings of a `StepSettings.per_slot` step (the Engine's requests), as arrays.
+
+  sampling: `RowSampling`; keys: a PRNG key per slot, its own stream (a slot's draws depend on its
+  seed and its own steps only, not on its neighbours or when it was admitted); num_drafts int32[B]:
+  drafts the slot's verification reads (0 decodes it without drafts); eos int32[B, EOS_PER_SLOT]:
+  its end tokens, -1 padding.
+  """
+
+  sampling: RowSampling
+  keys: jax.Array
+  num_drafts: jax.Array
+  eos: jax.Array
+
+  @classmethod
+  def free(cls, batch_size: int, key) -> "SlotSettings":
+    """Greedy slots without end tokens, keys split from key."""
+    b = batch_size
+    return cls(RowSampling(jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32)),
+               jax.random.split(key, b), jnp.zeros((b,), jnp.int32), jnp.full((b, EOS_PER_SLOT), -1, jnp.int32))
+
+  def set(self, **changes) -> "SlotSettings":
+    return dataclasses.replace(self, **changes)
+
+  def where(self, mask_B, other: "SlotSettings") -> "SlotSettings":
+    """Slots of self where mask_B (bool[B]), else other's."""
+    return jax.tree.map(lambda a, b: jnp.where(mask_B.reshape(mask_B.shape + (1,) * (a.ndim - 1)), a, b), self, other)
 
 
 @jax.tree_util.register_dataclass
@@ -55,8 +88,9 @@ class LoopState:
   (None without a grammar); out int32[B, W] emitted tokens, num_out int32[B]; done bool[B]
   (free slots are done); max_new int32[B]: the slot's token limit; key: the PRNG key;
   target_calls, verify_calls, accepted (emitted drafts), target_tokens (emitted target tokens):
-  int32[B]; accepted_at int32[k]: steps whose draft i was accepted (all slots);
-  tree_probs float32[B, M, V]: a sampled tree's draft distributions, else None.
+  int32[B]; accepted_at int32[k]: steps whose draft i was accepted, proposed_at int32[k]: steps
+  whose draft i was verified (all slots); tree_probs float32[B, M, V]: a sampled tree's draft
+  distributions, else None; slots: `SlotSettings` of a per_slot step, else None.
   """
 
   target: TargetState
@@ -74,7 +108,9 @@ class LoopState:
   accepted: jax.Array
   target_tokens: jax.Array
   accepted_at: jax.Array
+  proposed_at: jax.Array
   tree_probs: jax.Array | None = None
+  slots: SlotSettings | None = None
 
   def set(self, **changes) -> "LoopState":
     return dataclasses.replace(self, **changes)
@@ -96,8 +132,9 @@ class Verdict(typing.NamedTuple):
 
 
 # The verifiers. verify(logits float32[B, R, V] (masked by the grammar), drafts int32[B, R - 1],
-# draft_probs (float32[B, k, V] for a chain, [B, M, V] for a tree, or None when greedy), key,
-# allowed bool[B, R - 1] (drafts the grammar allows, or None)) -> Verdict.
+# draft_probs (float32[B, k, V] for a chain, [B, M, V] for a tree, or None when greedy), key (a key
+# per slot for VerifyRows), allowed bool[B, R - 1] (drafts the grammar allows, or None), slots
+# (SlotSettings or None)) -> Verdict.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,8 +143,8 @@ class VerifyPlain:
 
   sampling: Sampling
 
-  def verify(self, logits, drafts, draft_probs, key, allowed) -> Verdict:
-    del drafts, draft_probs, allowed
+  def verify(self, logits, drafts, draft_probs, key, allowed, slots) -> Verdict:
+    del drafts, draft_probs, allowed, slots
     next_B, _ = sample(logits[:, 0], key, **self.sampling.kwargs())
     return Verdict(jnp.zeros(next_B.shape, jnp.int32), next_B)
 
@@ -116,7 +153,7 @@ class VerifyPlain:
 class VerifyGreedy:
   """The longest draft prefix equal to the target's argmax (`verify_greedy`)."""
 
-  def verify(self, logits, drafts, draft_probs, key, allowed) -> Verdict:
+  def verify(self, logits, drafts, draft_probs, key, allowed, slots) -> Verdict:
     return Verdict(*verify_greedy(logits, drafts))
 
 
@@ -126,7 +163,7 @@ class VerifySampling:
 
   sampling: Sampling
 
-  def verify(self, logits, drafts, draft_probs, key, allowed) -> Verdict:
+  def verify(self, logits, drafts, draft_probs, key, allowed, slots) -> Verdict:
     return Verdict(*verify_sampling(logits, drafts, draft_probs, key, **self.sampling.kwargs()))
 
 
@@ -137,7 +174,7 @@ class VerifyRelaxed:
   top_n: int
   delta: float
 
-  def verify(self, logits, drafts, draft_probs, key, allowed) -> Verdict:
+  def verify(self, logits, drafts, draft_probs, key, allowed, slots) -> Verdict:
     return Verdict(*verify_relaxed(logits, drafts, top_n=self.top_n, delta=self.delta, allowed_BxK=allowed))
 
 
@@ -147,7 +184,7 @@ class VerifyTreeGreedy:
 
   tree: TreeSpec
 
-  def verify(self, logits, drafts, draft_probs, key, allowed) -> Verdict:
+  def verify(self, logits, drafts, draft_probs, key, allowed, slots) -> Verdict:
     return Verdict(*verify_tree_greedy(logits, drafts, self.tree))
 
 
@@ -158,7 +195,7 @@ class VerifyTreeSampling:
   tree: TreeSpec
   sampling: Sampling
 
-  def verify(self, logits, drafts, draft_probs, key, allowed) -> Verdict:
+  def verify(self, logits, drafts, draft_probs, key, allowed, slots) -> Verdict:
     return Verdict(*verify_tree_sampling(logits, drafts, draft_probs, key, self.tree, **self.sampling.kwargs()))
 
 
@@ -170,18 +207,33 @@ class VerifyTreeRelaxed:
   top_n: int
   delta: float
 
-  def verify(self, logits, drafts, draft_probs, key, allowed) -> Verdict:
+  def verify(self, logits, drafts, draft_probs, key, allowed, slots) -> Verdict:
     return Verdict(*verify_tree_relaxed(logits, drafts, self.tree, top_n=self.top_n, delta=self.delta,
                                         allowed_BxN=allowed))
 
 
-Verifier = (VerifyPlain | VerifyGreedy | VerifySampling | VerifyRelaxed | VerifyTreeGreedy | VerifyTreeSampling |
-            VerifyTreeRelaxed)
+@dataclasses.dataclass(frozen=True)
+class VerifyRows:
+  """Each slot's own settings, key and draft count (`verify_rows`): lossless sampling, exactly
+  greedy for temperature-0 slots."""
+
+  def verify(self, logits, drafts, draft_probs, key, allowed, slots) -> Verdict:
+    del allowed  # the masked logits give forbidden drafts probability 0: they are rejected
+    if draft_probs is None:  # no proposer: nothing drafted
+      draft_probs = jnp.zeros(drafts.shape + logits.shape[-1:], jnp.float32)
+    return Verdict(*verify_rows(logits, drafts, draft_probs, key, slots.sampling,
+                                jnp.minimum(slots.num_drafts, drafts.shape[1])))
+
+
+Verifier = (VerifyRows | VerifyPlain | VerifyGreedy | VerifySampling | VerifyRelaxed | VerifyTreeGreedy |
+            VerifyTreeSampling | VerifyTreeRelaxed)
 
 
 def pick_verifier(settings: StepSettings) -> Verifier:
   """The verification rule the settings ask for (chosen once, on the host)."""
   s, tree, relaxed = settings.sampling, settings.tree, settings.relaxed
+  if settings.per_slot:
+    return VerifyRows()
   if settings.num_drafts == 0:
     return VerifyPlain(s)
   if relaxed is not None:
@@ -204,13 +256,14 @@ class Drafter:
   tree: TreeSpec | None
   draft_masks: str
 
-  def draft(self, proposer, grammar, pstate, hid_BxTxD, tokens_BxT, num_new_B, gstate_B, key):
-    """(drafts int32[B, k] or the tree's int32[B, N], a sampled tree's float32[B, M, V] or None, new state)."""
+  def draft(self, proposer, grammar, pstate, hid_BxTxD, tokens_BxT, num_new_B, gstate_B, key, rows=None):
+    """(drafts int32[B, k] or the tree's int32[B, N], a sampled tree's float32[B, M, V] or None, new state).
+    rows: per-slot `RowSampling` (key is then a key per slot)."""
     masked = self.draft_masks != "none" and grammar is not None
     settings = prop.ProposeSettings(self.num_drafts, **self.sampling.kwargs(), catch_up=False, tree=self.tree,
                                     grammar_per_position=self.draft_masks == "per_position")
     drafts, pstate = prop.propose_step(proposer, pstate, hid_BxTxD, tokens_BxT, num_new_B, settings, key,
-                                       grammar if masked else None, gstate_B if masked else None)
+                                       grammar if masked else None, gstate_B if masked else None, rows)
     if self.tree is None:
       return drafts, None, pstate
     return drafts.tokens, drafts.probs, pstate
@@ -254,17 +307,20 @@ class DecodeStep:
     pstate = None
     if proposer is not None:
       # A sampled tree's draft distributions travel in the loop state, not in the proposer's.
-      keep_probs = not st.sampling.greedy and st.tree is None
+      keep_probs = (st.per_slot or not st.sampling.greedy) and st.tree is None
       pstate = prop.init_state(proposer.cfg, b, st.max_len, keep_draft_probs=keep_probs, **pages)
     zeros = lambda: jnp.zeros((b,), jnp.int32)  # a buffer each: the state is donated
     tree_probs = None
     if st.tree is not None and not st.sampling.greedy:
       tree_probs = jnp.zeros((b, st.tree.starts[st.tree.depth], target.cfg.vocab_size), jnp.float32)
-    s = LoopState(target=tstate, proposer=pstate, last=zeros(), drafts=jnp.zeros((b, st.rows_per_step - 1), jnp.int32),
+    n_drafts = k if st.tree is None else st.tree.num_nodes  # every draft, whatever a step verifies
+    s = LoopState(target=tstate, proposer=pstate, last=zeros(), drafts=jnp.zeros((b, n_drafts), jnp.int32),
                   grammar_state=None if grammar is None else jnp.full((b,), grammar_lib.FREE, jnp.int32),
                   out=jnp.zeros((b, self.out_width()), jnp.int32), num_out=zeros(), done=jnp.ones((b,), bool),
                   max_new=zeros(), key=key, target_calls=zeros(), verify_calls=zeros(), accepted=zeros(),
-                  target_tokens=zeros(), accepted_at=jnp.zeros((k,), jnp.int32), tree_probs=tree_probs)
+                  target_tokens=zeros(), accepted_at=jnp.zeros((k,), jnp.int32),
+                  proposed_at=jnp.zeros((k,), jnp.int32), tree_probs=tree_probs,
+                  slots=SlotSettings.free(b, key) if st.per_slot else None)
     return self.placed(s)
 
   def placed(self, s: LoopState) -> LoopState:
@@ -311,12 +367,17 @@ class DecodeStep:
 
   # -- on device --
 
-  def _split(self, key):
-    """(carried key, key for the target's token, key for the drafts); greedy decoding draws nothing,
-    so it splits nothing (a split is a threefry loop per step on CPU)."""
+  def _split(self, s: LoopState):
+    """(s with its key(s) carried on, key(s) for the target's token, key(s) for the drafts): per slot,
+    each slot's key splits; else the step's one key, and greedy decoding draws nothing, so it splits
+    nothing (a split is a threefry loop per step on CPU)."""
+    if self.settings.per_slot:
+      keys_Bx3 = jax.vmap(lambda key: jax.random.split(key, 3))(s.slots.keys)
+      return s.set(slots=s.slots.set(keys=keys_Bx3[:, 0])), keys_Bx3[:, 1], keys_Bx3[:, 2]
     if self.settings.sampling.greedy:
-      return key, None, None
-    return tuple(jax.random.split(key, 3))
+      return s, None, None
+    key, k_target, k_draft = jax.random.split(s.key, 3)
+    return s.set(key=key), k_target, k_draft
 
   def _emit(self, s: LoopState, new_BxJ, n_emit_B, active_B) -> tuple[LoopState, jax.Array]:
     """Appends new_BxJ[:, :n] to the output, cut at eos and at the slot's max_new; returns (state, n int32[B])."""
@@ -324,8 +385,13 @@ class DecodeStep:
     j = new_BxJ.shape[1]
     n = jnp.minimum(n_emit_B, s.max_new - s.num_out)
     hit_eos_B = jnp.zeros_like(active_B)
-    if st.eos_token_id is not None:
-      is_eos = (new_BxJ == st.eos_token_id) & (jnp.arange(j)[None] < n[:, None])
+    is_eos = None
+    if s.slots is not None:
+      is_eos = jnp.any(new_BxJ[..., None] == s.slots.eos[:, None, :], axis=-1)
+    elif st.eos_token_id is not None:
+      is_eos = new_BxJ == st.eos_token_id
+    if is_eos is not None:
+      is_eos &= jnp.arange(j)[None] < n[:, None]
       hit_eos_B = active_B & jnp.any(is_eos, axis=1)
       n = jnp.where(hit_eos_B, jnp.argmax(is_eos, axis=1) + 1, n)
     n = jnp.where(active_B, n, 0)
@@ -335,31 +401,37 @@ class DecodeStep:
     done = s.done | (num_out >= s.max_new) | hit_eos_B
     return s.set(out=out, num_out=num_out, done=done), n
 
-  def prefill(self, target, proposer, grammar, s: LoopState, prompts_BxT, lens_B, admit_B, constrained_B,
-              max_new_B) -> LoopState:
+  def prefill(self, target, proposer, grammar, s: LoopState, prompts_BxT, lens_B, admit_B, gstart_B,
+              max_new_B, slots: SlotSettings | None = None) -> LoopState:
     """Admits prompts_BxT (int32[B, T], lens_B int32[B] long) into the slots where admit_B (bool[B]):
-    writes their prompt rows, emits their first token (under the grammar where constrained_B,
-    bool[B]) and drafts, and stops each after max_new_B (int32[B], <= settings.max_new_tokens)
-    tokens; the other slots' rows, drafts, grammar states and counters are unchanged."""
+    writes their prompt rows, emits their first token (from grammar state gstart_B, int32[B]:
+    grammar.FREE decodes free of it) and drafts, and stops each after max_new_B (int32[B],
+    <= settings.max_new_tokens) tokens; a per_slot step takes the admitted slots' `slots` too.
+    The other slots' rows, drafts, grammar states, settings and counters are unchanged."""
     b = admit_B.shape[0]
     zero = lambda x: jnp.where(admit_B, 0, x)
     one = admit_B.astype(jnp.int32)
     s = s.set(num_out=zero(s.num_out), done=s.done & ~admit_B, max_new=jnp.where(admit_B, max_new_B, s.max_new),
               target_calls=zero(s.target_calls) + one, verify_calls=zero(s.verify_calls), accepted=zero(s.accepted),
               target_tokens=zero(s.target_tokens) + one)
+    if slots is not None:
+      s = s.set(slots=slots.where(admit_B, s.slots))
     logits, hid, tstate = target_step(target, s.target, prompts_BxT, jnp.where(admit_B, lens_B, 0))
-    key, k_first, k_draft = self._split(s.key)
+    running_keys = None if s.slots is None else s.slots.keys
+    s, k_first, k_draft = self._split(s)
+    if running_keys is not None:  # a running slot's stream moves with its own steps only
+      s = s.set(slots=s.slots.set(keys=jnp.where(admit_B, s.slots.keys, running_keys)))
     gstate_B = s.grammar_state
     if grammar is not None:
-      gstate_B = jnp.where(admit_B, grammar_lib.init_grammar_state(b, constrained_B), gstate_B)
+      gstate_B = jnp.where(admit_B, gstart_B, gstate_B)
     last_logits = jnp.take_along_axis(logits, jnp.maximum(lens_B - 1, 0)[:, None, None], axis=1)[:, 0]
     if grammar is not None:
       last_logits = grammar_lib.apply_mask(last_logits, grammar_lib.token_mask(grammar, gstate_B, logits.shape[-1]))
-    first_B, _ = sample(last_logits, k_first, **self.settings.sampling.kwargs())
+    first_B = self._sample(last_logits, s, k_first)
     if grammar is not None:
       gstate_B = jnp.where(admit_B, grammar_lib.advance(grammar, gstate_B, first_B), gstate_B)
     ok_B = admit_B & ~tstate.out_of_pages
-    s, _ = self._emit(s.set(target=tstate, key=key), first_B[:, None], one, ok_B)
+    s, _ = self._emit(s.set(target=tstate), first_B[:, None], one, ok_B)
     s = s.set(last=jnp.where(admit_B, first_B, s.last), grammar_state=gstate_B)
     if proposer is None:
       return self._stop_out_of_pages(s)
@@ -370,13 +442,22 @@ class DecodeStep:
     tokens = jnp.concatenate([prompts_BxT[:, 1:], prompts_BxT[:, :1]], axis=1)
     tokens = tokens.at[jnp.arange(b), jnp.maximum(lens_B - 1, 0)].set(first_B)
     drafts, tree_probs, pstate = self.drafter.draft(proposer, grammar, pstate, hid, tokens, jnp.where(ok_B, lens_B, 0),
-                                                    gstate_B, k_draft)
+                                                    gstate_B, k_draft, self._rows(s))
     keep = lambda new, prev: jnp.where(admit_B.reshape((b,) + (1,) * (new.ndim - 1)), new, prev)
     pstate = pstate.set(num_drafted=keep(pstate.num_drafted, old.num_drafted),
                         draft_probs=None if old.draft_probs is None else keep(pstate.draft_probs, old.draft_probs))
     s = s.set(proposer=pstate, drafts=keep(drafts, s.drafts),
               tree_probs=None if s.tree_probs is None else keep(tree_probs, s.tree_probs))
     return self._stop_out_of_pages(s)
+
+  def _sample(self, logits_BxV, s: LoopState, key):
+    """int32[B]: a token per slot, with the slots' or the step's sampling settings."""
+    if s.slots is not None:
+      return row_sample(logits_BxV, s.slots.sampling, key)[0]
+    return sample(logits_BxV, key, **self.settings.sampling.kwargs())[0]
+
+  def _rows(self, s: LoopState) -> RowSampling | None:
+    return None if s.slots is None else s.slots.sampling
 
   def _stop_out_of_pages(self, s: LoopState) -> LoopState:
     # A sequence refused a page stops; the others go on (its pages and rows are its own).
@@ -385,27 +466,28 @@ class DecodeStep:
   def __call__(self, target, proposer, grammar, s: LoopState) -> LoopState:
     """One decode step over every slot (done slots pass through)."""
     st = self.settings
-    k, tree = st.num_drafts, st.tree
+    k, tree = st.verify_width, st.tree
     b = s.last.shape[0]
     active_B = ~s.done
-    key, k_verify, k_draft = self._split(s.key)
-    inp_BxR = jnp.concatenate([s.last[:, None], s.drafts], axis=1)  # with a tree: [last, its N nodes]
+    s, k_verify, k_draft = self._split(s)
+    drafts_BxK = s.drafts if tree is not None else s.drafts[:, :k]  # the drafts this step verifies
+    inp_BxR = jnp.concatenate([s.last[:, None], drafts_BxK], axis=1)  # with a tree: [last, its N nodes]
     old_len = s.target.length
     logits, hid, tstate = target_step(target, s.target, inp_BxR, jnp.where(active_B, inp_BxR.shape[1], 0), tree)
     active_B = active_B & ~tstate.out_of_pages  # its logits are meaningless: emit nothing
     allowed_BxN = None
     if grammar is not None:
       # Position i gives the token after [emitted, d_1..d_i]; a tree node, after [emitted, its path].
-      gstates_BxR = (grammar_lib.states_along(grammar, s.grammar_state, s.drafts) if tree is None else
+      gstates_BxR = (grammar_lib.states_along(grammar, s.grammar_state, drafts_BxK) if tree is None else
                      node_states(grammar, s.grammar_state, inp_BxR, tree))
       mask_BxRxV = grammar_lib.token_mask(grammar, gstates_BxR, logits.shape[-1])
       logits = grammar_lib.apply_mask(logits, mask_BxRxV)
       parent_of = jnp.arange(k) if tree is None else jnp.asarray(tree.parents[1:])  # whose mask rules draft n
-      allowed_BxN = jnp.take_along_axis(mask_BxRxV[:, parent_of], s.drafts[..., None], axis=-1)[..., 0]
+      allowed_BxN = jnp.take_along_axis(mask_BxRxV[:, parent_of], drafts_BxK[..., None], axis=-1)[..., 0]
     draft_probs = s.tree_probs if tree is not None else (
         None if s.proposer is None or s.proposer.draft_probs is None else s.proposer.draft_probs[:, :k])
-    verdict = self.verifier.verify(logits, s.drafts, draft_probs, k_verify, allowed_BxN)
-    a_B, next_B, drafts_BxK = jnp.where(active_B, verdict.accepted, 0), verdict.next_token, s.drafts
+    verdict = self.verifier.verify(logits, drafts_BxK, draft_probs, k_verify, allowed_BxN, s.slots)
+    a_B, next_B = jnp.where(active_B, verdict.accepted, 0), verdict.next_token
     if verdict.path is not None:  # a tree: its accepted path plays the drafts' part
       path_BxK1 = verdict.path
       if grammar is not None:
@@ -419,10 +501,13 @@ class DecodeStep:
     s2, n_B = self._emit(s, new_BxK1, a_B + 1, active_B)
     # The target keeps its rows for [last, d_1..d_a]; the rest were rejected.
     tstate = trim_target(tstate, old_len + jnp.where(active_B, a_B + 1, 0))
-    s2 = s2.set(target=tstate, last=jnp.where(active_B, next_B, s.last), key=key,
+    verified_B = k if s.slots is None else jnp.minimum(s.slots.num_drafts, k)
+    per_position = lambda n_B: jnp.sum(active_B[:, None] & (jnp.arange(k)[None] < jnp.reshape(n_B, (-1, 1))), axis=0)
+    s2 = s2.set(target=tstate, last=jnp.where(active_B, next_B, s.last),
                 target_calls=s.target_calls + active_B, verify_calls=s.verify_calls + active_B,
                 accepted=s.accepted + jnp.minimum(a_B, n_B), target_tokens=s.target_tokens + (n_B == a_B + 1),
-                accepted_at=s.accepted_at + jnp.sum(active_B[:, None] & (jnp.arange(k)[None] < a_B[:, None]), axis=0))
+                accepted_at=s.accepted_at.at[:k].add(per_position(a_B)),
+                proposed_at=s.proposed_at.at[:k].add(per_position(verified_B)))
     if grammar is not None:
       after_drafts_B = jnp.take_along_axis(gstates_BxR, a_B[:, None], axis=1)[:, 0]
       s2 = s2.set(grammar_state=jnp.where(active_B, grammar_lib.advance(grammar, after_drafts_B, next_B),
@@ -432,7 +517,7 @@ class DecodeStep:
     pstate = prop.after_verify(s.proposer, a_B)
     num_new = jnp.where(s2.done, 0, a_B + 1)
     drafts, tree_probs, pstate = self.drafter.draft(proposer, grammar, pstate, hid, new_BxK1, num_new,
-                                                    s2.grammar_state, k_draft)
+                                                    s2.grammar_state, k_draft, self._rows(s2))
     return self._stop_out_of_pages(s2.set(proposer=pstate, drafts=drafts, tree_probs=tree_probs))
 
   def run(self, target, proposer, grammar, s: LoopState) -> LoopState:
@@ -463,8 +548,8 @@ class DecodeStep:
 
 @functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
 def jit_prefill(step: DecodeStep, target, proposer, grammar, s: LoopState, prompts_BxT, lens_B, admit_B,
-                constrained_B, max_new_B) -> LoopState:
-  return step.prefill(target, proposer, grammar, s, prompts_BxT, lens_B, admit_B, constrained_B, max_new_B)
+                gstart_B, max_new_B, slots=None) -> LoopState:
+  return step.prefill(target, proposer, grammar, s, prompts_BxT, lens_B, admit_B, gstart_B, max_new_B, slots)
 
 
 @functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
@@ -498,11 +583,11 @@ def jit_pages_needed(step: DecodeStep, s: LoopState, num_new_B) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("step", "batch_size"))
-def jit_generate(step: DecodeStep, target, proposer, grammar, prompts_BxT, lens_B, constrained_B, key,
+def jit_generate(step: DecodeStep, target, proposer, grammar, prompts_BxT, lens_B, gstart_B, key,
                  batch_size: int) -> LoopState:
   """A whole batch in one program: a free state, the prefill of every slot, then `run`."""
   s = step.init(target, proposer, grammar, batch_size, key)
   admit_B = jnp.ones((batch_size,), bool)
   max_new_B = jnp.full((batch_size,), step.settings.max_new_tokens, jnp.int32)
-  s = step.prefill(target, proposer, grammar, s, prompts_BxT, lens_B, admit_B, constrained_B, max_new_B)
+  s = step.prefill(target, proposer, grammar, s, prompts_BxT, lens_B, admit_B, gstart_B, max_new_B)
   return step.run(target, proposer, grammar, s)
