@@ -20,12 +20,13 @@ import demo_report  # noqa: E402
 import hot_path_ab  # noqa: E402
 import plots  # noqa: E402
 import scaling  # noqa: E402
+import serve_http  # noqa: E402
 import vs_transformers  # noqa: E402
 
 
 def test_scripts_start_from_a_checkout():
   for script in ("bench_propose.py", "bandwidth.py", "hot_path_ab.py", "scaling.py", "vs_transformers.py",
-                 "bench_mla.py", "bench_paged.py", "serve_bench.py", "demo_report.py"):
+                 "bench_mla.py", "bench_paged.py", "serve_bench.py", "demo_report.py", "serve_http.py"):
     proc = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True,
                           timeout=300, cwd="/")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -141,3 +142,12 @@ def test_bench_mla_quick(capsys):
   out = capsys.readouterr().out
   # bytes per cached row: GQA 2 * Hkv * Dh * 4, MLA (R + Dr) * 4
   assert "| GQA, Hkv = H (MHA) | 512 |" in out and "| MLA, absorbed (decode path) | 160 |" in out
+
+
+@pytest.mark.slow
+def test_serve_http_quick(capsys):
+  serve_http.main(["--quick"])
+  out = capsys.readouterr().out
+  # each cell's requests all came back (4 of 4), with drafts (2) and without (0); no page left held
+  assert all(f"| {k} | {c} | 4 | " in out for k in (2, 0) for c in (1, 4))
+  assert "pages in use after the load: 0 and 0." in out
