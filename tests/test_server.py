@@ -5,6 +5,7 @@ compiles everything the tests run) is shared by the module; the last test stops 
 The text pieces, chat templates and error mapping are checked in this process.
 """
 
+import asyncio
 import concurrent.futures
 import json
 import os
@@ -21,6 +22,11 @@ from pathlib import Path
 
 import openai
 import pytest
+
+try:  # the openai client's HTTP library: httpx2 in recent releases
+  import httpx2 as httpx
+except ImportError:
+  import httpx
 
 import mtp_jax
 from mtp_jax import data, validate
@@ -275,3 +281,76 @@ def test_errors_map_to_openai_status_codes_without_tracebacks():
   assert (status, body["code"]) == (503, "engine_failed")
   status, body = answer(RuntimeError("secret detail"))
   assert status == 500 and "secret" not in body["message"] and "Traceback" not in body["message"]
+
+
+def test_serve_without_the_extra_is_one_error_line(monkeypatch, capsys):
+  import mtp_jax.serving
+  from mtp_jax import cli
+  monkeypatch.delitem(sys.modules, "mtp_jax.serving.server")
+  monkeypatch.delattr(mtp_jax.serving, "server")
+  monkeypatch.setitem(sys.modules, "uvicorn", None)  # as if not installed
+  assert cli.main(["serve"]) == 2
+  err = capsys.readouterr().err
+  assert err == "mtp-jax: error: mtp-jax serve needs the serve extra (pip install 'mtp_jax[serve]'): uvicorn is " \
+                "not installed\n"
+  # The base package and the CLI import none of it.
+  code = "import sys, mtp_jax, mtp_jax.cli; print(sorted({'starlette', 'uvicorn', 'jinja2'} & set(sys.modules)))"
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+  assert proc.stdout.strip() == "[]", proc.stderr[-2000:]
+
+
+class _ScriptedWorker:
+  """An EngineThread stand-in for the HTTP layer alone: every request gets `tokens`, three per update."""
+
+  error = None
+
+  def __init__(self, tokens):
+    self.tokens, self.added, self.cancelled = tokens, [], []
+
+  def add(self, sink, prompt, max_new_tokens, **settings):
+    self.added.append((prompt, max_new_tokens, settings))
+    for i in range(0, len(self.tokens), 3):
+      sink(server_lib.Update(tuple(self.tokens[i:i + 3])))
+    sink(server_lib.Update(status="finished"))
+    future = asyncio.get_running_loop().create_future()
+    future.set_result(len(self.added))
+    return future
+
+  def cancel(self, request_id):
+    self.cancelled.append(request_id)
+
+
+def test_chat_completions_render_the_template_and_answer_in_openai_shapes():
+  template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
+  model = server_lib.ServedModel(name="chatty", target=None, proposer=None, decode=data.decode,
+                                 encode=lambda text, special: data.encode(text, bos=False),
+                                 eos_token_id=data.EOS_ID, chat_template=template)
+  worker = _ScriptedWorker(data.encode("Hello there. Bye", bos=False) + [data.EOS_ID])
+  app = server_lib.Server(worker, model).app()
+
+  async def talk():
+    http = openai.DefaultAsyncHttpxClient(transport=httpx.ASGITransport(app=app), base_url="http://chat")
+    client = openai.AsyncOpenAI(base_url="http://chat/v1", api_key="unused", http_client=http, max_retries=0)
+    messages = [{"role": "system", "content": "be brief"},
+                {"role": "user", "content": [{"type": "text", "text": "hi"}]}]
+    whole = await client.chat.completions.create(model="chatty", messages=messages, max_completion_tokens=30)
+    stream = await client.chat.completions.create(model="chatty", messages=messages, stream=True, stop=". B",
+                                                  temperature=0.5, stream_options={"include_usage": True})
+    chunks = [c async for c in stream]
+    with pytest.raises(openai.BadRequestError) as e:
+      await client.chat.completions.create(model="chatty", messages=[{"role": "user"}])
+    await http.aclose()
+    return whole, chunks, e.value
+
+  whole, chunks, error = asyncio.run(talk())
+  prompt = "[system] be brief\n[user] hi\n[assistant] "
+  assert worker.added[0] == (data.encode(prompt, bos=False), 30, {})
+  assert worker.added[1][1:] == (server_lib.DEFAULT_MAX_TOKENS, {"temperature": 0.5})
+  assert whole.object == "chat.completion" and whole.choices[0].message.role == "assistant"
+  assert whole.choices[0].message.content == "Hello there. Bye" and whole.choices[0].finish_reason == "stop"
+  assert whole.usage.prompt_tokens == len(prompt) and whole.usage.completion_tokens == 17
+  assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+  assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hello there"
+  assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop" and chunks[-1].usage.total_tokens
+  assert worker.cancelled == [2]  # the stop string cancelled the second request
+  assert error.status_code == 400 and error.param == "messages"

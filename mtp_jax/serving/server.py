@@ -698,12 +698,12 @@ def serve(engine: Engine, model: ServedModel, *, host: str = "127.0.0.1", port: 
   get shutdown_timeout seconds to finish, then are cancelled). Prints one line when it listens:
   `mtp-jax serve: listening on http://HOST:PORT (model NAME)` (port 0 picks a free port)."""
   validate.integer("port", port, 0, 65535)
+  # Bound before the warm-up: a port in use fails at once, and early clients wait in the backlog.
+  sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
   if warmup:
     warm_up(engine, model)
   worker = EngineThread(engine)
-  server = Server(worker, model)
-  app = server.app()
-  sock = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+  app = Server(worker, model).app()
   config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
                           timeout_graceful_shutdown=max(1, round(shutdown_timeout)))
   bound = sock.getsockname()[1]
