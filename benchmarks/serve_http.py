@@ -35,17 +35,22 @@ except ImportError:  # run as `python benchmarks/x.py` from a checkout that is n
   sys.path.insert(0, str(ROOT))
 from mtp_jax import data
 
+# One page of 128 rows holds a request (48 + 64 + k + 1 rows), and 32 pages hold 32 requests: the
+# pages attention reads per call (the budget) take three values (16, 24, 32), each compiled in the
+# untimed pass. With 16-row pages (512 of them) it takes many more values, and a timed pass still
+# met uncompiled ones (a TTFT p99 of 11 s at concurrency 32 with drafts, in one run here).
 FULL = dict(concurrency=(1, 8, 32), requests=64, max_tokens=64, prompt_len=48, max_batch=32, max_len=256,
-            page_size=16, num_drafts=3, cap_s=60.0)
+            page_size=128, num_pages=32, num_drafts=3, cap_s=60.0)
 QUICK = dict(concurrency=(1, 4), requests=4, max_tokens=8, prompt_len=16, max_batch=4, max_len=64,
-             page_size=16, num_drafts=2, cap_s=20.0)
+             page_size=16, num_pages=16, num_drafts=2, cap_s=20.0)
 
 
 def start_server(opts: dict, num_drafts: int) -> tuple[subprocess.Popen, str]:
   env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
   proc = subprocess.Popen([sys.executable, "-m", "mtp_jax.cli", "serve", "--port", "0", "--host", "127.0.0.1",
                            "--max-batch", str(opts["max_batch"]), "--max-len", str(opts["max_len"]),
-                           "--page-size", str(opts["page_size"]), "--num-drafts", str(num_drafts),
+                           "--page-size", str(opts["page_size"]), "--num-pages", str(opts["num_pages"]),
+                           "--num-drafts", str(num_drafts),
                            "--max-waiting", str(max(opts["concurrency"])), "--log-level", "warning"],
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
   line = []
@@ -143,7 +148,8 @@ def main(argv=None) -> None:
   print(f"# mtp-jax serve over HTTP: small demo model, greedy, {opts['requests']} streaming requests per cell, "
         f"timed on its second pass "
         f"(prompts {opts['prompt_len']} tokens, max_tokens {opts['max_tokens']}), --max-batch {opts['max_batch']} "
-        f"--max-len {opts['max_len']} --page-size {opts['page_size']}; {os.cpu_count()} CPUs, load average "
+        f"--max-len {opts['max_len']} --page-size {opts['page_size']} --num-pages {opts['num_pages']}; "
+        f"{os.cpu_count()} CPUs, load average "
         f"{load_before[0]:.2f} before, {load_after[0]:.2f} after\n")
   print("| drafts | concurrency | requests | wall s | requests/s | tokens/s | TTFT p50 ms | TTFT p99 ms | ITL p50 ms "
         "| ITL p99 ms |")
