@@ -22,6 +22,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -47,12 +48,13 @@ QUICK = dict(concurrency=(1, 4), requests=4, max_tokens=8, prompt_len=16, max_ba
 
 def start_server(opts: dict, num_drafts: int) -> tuple[subprocess.Popen, str]:
   env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  log = tempfile.TemporaryFile("w+")  # a pipe nobody reads could fill and stall the server
   proc = subprocess.Popen([sys.executable, "-m", "mtp_jax.cli", "serve", "--port", "0", "--host", "127.0.0.1",
                            "--max-batch", str(opts["max_batch"]), "--max-len", str(opts["max_len"]),
                            "--page-size", str(opts["page_size"]), "--num-pages", str(opts["num_pages"]),
                            "--num-drafts", str(num_drafts),
                            "--max-waiting", str(max(opts["concurrency"])), "--log-level", "warning"],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                          stdout=subprocess.PIPE, stderr=log, text=True, env=env)
   line = []
   reader = threading.Thread(target=lambda: line.append(proc.stdout.readline()), daemon=True)
   reader.start()
@@ -60,7 +62,8 @@ def start_server(opts: dict, num_drafts: int) -> tuple[subprocess.Popen, str]:
   match = re.search(r"http://([\d.]+):(\d+)", line[0] if line else "")
   if match is None:
     proc.kill()
-    raise RuntimeError(f"the server did not start: {proc.stderr.read()[-2000:]}")
+    log.seek(0)
+    raise RuntimeError(f"the server did not start: {log.read()[-2000:]}")
   return proc, f"{match.group(1)}:{match.group(2)}"
 
 
