@@ -576,10 +576,11 @@ class Server:
       await asyncio.wait((collect, gone), return_when=asyncio.FIRST_COMPLETED)
     finally:
       gone.cancel()
-      if not collect.done():  # the client left: the collector's cancellation cancels the request
+      left = not collect.done()
+      if left:  # the client left: the collector's cancellation cancels the request
         collect.cancel()
-    if collect.cancelled():
-      return Response(status_code=499)
+    if left:
+      return Response(status_code=499)  # nobody reads it
     try:
       text, finish = collect.result()
     except Exception as e:
