@@ -62,7 +62,7 @@ INERT = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprob
          "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "top_logprobs": (0,)}
 # The engine's argument names -> the request fields they come from, for errors.
 FIELD_OF_ARGUMENT = {"max_new_tokens": "max_tokens", "grammar": "response_format", "schema": "response_format"}
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "seed", "num_drafts")
+SETTING_FIELDS = ("temperature", "top_p", "top_k", "seed", "num_drafts")
 
 
 # -- the model --
@@ -362,7 +362,7 @@ def _error_body(error: ApiError) -> dict:
 
 
 @dataclasses.dataclass(frozen=True)
-class Sampling:
+class RequestSettings:
   """A request's per-request engine settings; None keeps the engine's default (not passed)."""
 
   temperature: float | None = None
@@ -379,14 +379,14 @@ class Sampling:
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-  """One parsed request: the prompt's ids, the token limit, stop strings, streaming and sampling."""
+  """One parsed request: the prompt's ids, the token limit, stop strings, streaming and its engine settings."""
 
   prompt: tuple[int, ...]
   max_tokens: int
   stop: tuple[str, ...]
   stream: bool
   include_usage: bool
-  sampling: Sampling
+  settings: RequestSettings
   chat: bool
 
 
@@ -451,7 +451,7 @@ class Server:
           loop.call_soon_threadsafe(queue_.put_nowait, update)
         except RuntimeError:  # the loop closed at shutdown: nobody waits
           pass
-      rid = await self.worker.add(sink, list(params.prompt), params.max_tokens, **params.sampling.kwargs())
+      rid = await self.worker.add(sink, list(params.prompt), params.max_tokens, **params.settings.kwargs())
     except Exception as e:
       return error_response(e)
     run = _Run(self.worker, rid, queue_, TextStream(self.model.decode, params.stop), params, self.model.eos_token_id)
@@ -497,12 +497,12 @@ class Server:
         raise ApiError(400, f"stream_options must be an object with include_usage only, got {options!r}",
                        "stream_options")
       include_usage = validate.flag("stream_options.include_usage", options.get("include_usage", False))
-    sampling = {f: body[f] for f in SAMPLING_FIELDS if body.get(f) is not None}
+    settings = {f: body[f] for f in SETTING_FIELDS if body.get(f) is not None}
     schema = self._schema_text(body.get("response_format"))
     if schema is not None:
-      sampling["grammar"] = await asyncio.to_thread(self._grammar, schema)
+      settings["grammar"] = await asyncio.to_thread(self._grammar, schema)
     return Completion(prompt=tuple(prompt), max_tokens=max_tokens, stop=_stop(body.get("stop")), stream=stream,
-                      include_usage=include_usage, sampling=Sampling(**sampling), chat=chat)
+                      include_usage=include_usage, settings=RequestSettings(**settings), chat=chat)
 
   def _prompt(self, prompt) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
