@@ -132,7 +132,8 @@ def test_concurrent_requests_with_mixed_settings_all_complete(greedy_refs, serve
 
   def one(i):
     prompt, stream = PROMPTS[i % len(PROMPTS)], i % 3 == 0
-    settings = [{}, {"temperature": 0.0}, {"temperature": 0.8, "seed": i},
+    # greedy with the server's drafts, greedy with 0..3 drafts of its own, and two kinds of sampling
+    settings = [{}, {"temperature": 0.0, "extra_body": {"num_drafts": i // 4 % 4}}, {"temperature": 0.8, "seed": i},
                 {"temperature": 1.0, "top_p": 0.9, "extra_body": {"top_k": 20}}][i % 4]
     kwargs = dict(model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS - i % 5, stream=stream, **settings)
     if stream:
