@@ -1,4 +1,4 @@
-"""`mtp-jax` (or `python -m mtp_jax.cli`): demo, generate, train."""
+"""`mtp-jax` (or `python -m mtp_jax.cli`): demo, generate, serve, train."""
 
 from __future__ import annotations
 
@@ -138,6 +138,43 @@ def _generate(args) -> int:
   return 0
 
 
+def _serve(args) -> int:
+  try:
+    from mtp_jax.serving import server
+  except ImportError as e:
+    if e.name not in ("starlette", "uvicorn", "jinja2"):
+      raise
+    raise validate.InvalidValue("serve", f"mtp-jax serve needs the serve extra (pip install 'mtp_jax[serve]'): "
+                                         f"{e.name} is not installed") from e
+  from mtp_jax.serving.engine import Engine
+  if args.model is not None and (args.checkpoint is not None or args.large):
+    raise validate.InvalidValue("--model", "--model names the model; drop --checkpoint / --large")
+  if args.model is None and args.dtype is not None:
+    raise validate.InvalidValue("--dtype", "--dtype applies to --model weights only")
+  template = None
+  if args.chat_template is not None:
+    try:
+      with open(args.chat_template, encoding="utf-8") as f:
+        template = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+      raise validate.InvalidValue("--chat-template", f"--chat-template: cannot read {args.chat_template!r}: {e}") from e
+  num_drafts = args.num_drafts
+  if num_drafts is None:
+    num_drafts = DEFAULT_DRAFTS if args.tree is None else args.tree.depth
+  model = server.load_model(args.model, demo_name="large" if args.large else "small", checkpoint=args.checkpoint,
+                            dtype=args.dtype, max_depth=args.max_depth, chat_template=template)
+  num_drafts = validate.integer("--num-drafts", num_drafts, 0, model.proposer.cfg.num_depths)
+  if args.eos is not None:
+    model = dataclasses.replace(model, eos_token_id=None if args.eos == "none" else args.eos)
+  engine = Engine(model.target, model.proposer if num_drafts else None, max_batch=args.max_batch,
+                  max_len=args.max_len, page_size=args.page_size, num_pages=args.num_pages,
+                  num_drafts=num_drafts or None, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                  eos_token_id=model.eos_token_id, seed=args.seed, tree=args.tree, max_waiting=args.max_waiting,
+                  steps_per_call=args.steps_per_call)
+  return server.serve(engine, model, host=args.host, port=args.port, warmup=not args.no_warmup,
+                      shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
+
+
 SMALL_HELP = "the small shipped model (default: the large one when the package holds it)"
 
 _TRAIN_FLAGS = {  # flag -> TrainConfig field
@@ -249,6 +286,51 @@ def build_parser() -> argparse.ArgumentParser:
                  help="a released model directory (config.json, safetensors, tokenizer.json); see docs/checkpoints.md")
   p.add_argument("--dtype", default=None, help="with --model: weights dtype (default the checkpoint's)")
   p.set_defaults(func=_generate)
+
+  p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server (needs the serve extra)",
+                     description="Serves /v1/completions, /v1/chat/completions (models with a chat template), "
+                                 "/v1/models, /health and /metrics; see docs/serving.md. The sampling flags are "
+                                 "the defaults of requests that do not set their own.")
+  p.add_argument("--model", default=None,
+                 help="a released model directory (config.json, safetensors, tokenizer.json); default: the small "
+                      "shipped demo model")
+  p.add_argument("--large", action="store_true", help="the large shipped demo model instead of the small one")
+  p.add_argument("--checkpoint", default=None, help="a training checkpoint directory instead of the shipped model")
+  p.add_argument("--dtype", default=None, help="with --model: weights dtype (default the checkpoint's)")
+  p.add_argument("--chat-template", default=None, metavar="FILE",
+                 help="a Jinja chat template for /v1/chat/completions (default: the model directory's, if any)")
+  p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+  p.add_argument("--port", type=int, default=8000, help="port to listen on (0: a free one, printed at start)")
+  p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (engine slots)")
+  p.add_argument("--max-len", type=int, default=512,
+                 help="rows per sequence: prompt + max_tokens + the drafts of one step must fit")
+  p.add_argument("--page-size", type=int, default=16, help="rows per KV-cache page (must divide --max-len)")
+  p.add_argument("--num-pages", type=int, default=None,
+                 help="KV-cache pages per layer (default --max-batch x --max-len / --page-size)")
+  p.add_argument("--max-waiting", type=int, default=256,
+                 help="requests that may wait for a slot; more are answered with HTTP 429")
+  p.add_argument("--steps-per-call", type=int, default=4,
+                 help="decode steps per device call before the host reads the tokens")
+  p.add_argument("--num-drafts", type=int, default=None,
+                 help=f"k drafts per step (default {DEFAULT_DRAFTS}, or the --tree's depth); 0 serves without the "
+                      "MTP modules")
+  p.add_argument("--temperature", type=float, default=0.0, help="default sampling temperature; 0 decodes greedily")
+  p.add_argument("--top-k", type=int, default=None, metavar="K", help="default top-k filter (with temperature > 0)")
+  p.add_argument("--top-p", type=float, default=None, metavar="P", help="default top-p filter (with temperature > 0)")
+  p.add_argument("--seed", type=int, default=0, help="random seed of the engine's sampler (0..2**32-1)")
+  p.add_argument("--eos", type=_eos, default=None, metavar="ID",
+                 help="token id that ends a continuation (default the model's EOS); none: never stop early")
+  p.add_argument("--tree", type=_tree, default=None, metavar="W1,W2,..",
+                 help="draft a tree instead of a chain, e.g. 3,2,1")
+  p.add_argument("--max-depth", type=int, default=None, metavar="N",
+                 help="let the proposer draft N deep, depths past its K modules cycling through them")
+  p.add_argument("--no-warmup", action="store_true",
+                 help="skip the warm-up request that compiles the engine before the server listens")
+  p.add_argument("--shutdown-timeout", type=float, default=5.0,
+                 help="seconds in-flight requests get to finish after SIGTERM before they are cancelled")
+  p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                 help="the server's log level")
+  p.set_defaults(func=_serve)
 
   p = sub.add_parser("train", help="train a target and MTP modules on the stdlib byte corpus",
                      description="Unset flags take the defaults of mtp_jax.train.TrainConfig / model_configs "

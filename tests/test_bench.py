@@ -22,13 +22,14 @@ import few_row_dots  # noqa: E402
 import hot_path_ab  # noqa: E402
 import plots  # noqa: E402
 import scaling  # noqa: E402
+import serve_http  # noqa: E402
 import vs_transformers  # noqa: E402
 
 
 def test_scripts_start_from_a_checkout():
   for script in ("bench_propose.py", "bandwidth.py", "hot_path_ab.py", "scaling.py", "vs_transformers.py",
                  "bench_mla.py", "bench_paged.py", "serve_bench.py", "demo_report.py", "bench_fp8.py",
-                 "step_breakdown.py", "few_row_dots.py"):
+                 "step_breakdown.py", "few_row_dots.py", "serve_http.py"):
     proc = subprocess.run([sys.executable, str(BENCH / script), "--help"], capture_output=True, text=True,
                           timeout=300, cwd="/")
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -161,3 +162,12 @@ def test_bench_fp8_quick(capsys):
   assert rows["float32 (dequantized at load)"].startswith("| float32 (dequantized at load) | 0.5 | 0.0 | ")
   assert " | 0.1 | " in rows["FP8 kept, bfloat16 compute"] and " | 0.1 | " in rows["FP8 kept, float32 compute"]
   assert "FP8, per-block scaled dot (bf16)" in rows and "load average at the end" in out
+
+
+@pytest.mark.slow
+def test_serve_http_quick(capsys):
+  serve_http.main(["--quick"])
+  out = capsys.readouterr().out
+  # each cell's requests all came back (4 of 4), with drafts (2) and without (0); no page left held
+  assert all(f"| {k} | {c} | 4 | " in out for k in (2, 0) for c in (1, 4))
+  assert "pages in use after the load: 0 and 0." in out

@@ -81,7 +81,7 @@ def test_generate_json_schema_and_sampling_flags_equal_the_api(tmp_path, capsys)
 def test_every_flag_has_a_help_text():
   parser = cli.build_parser()
   commands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices
-  assert sorted(commands) == ["demo", "generate", "train"]
+  assert sorted(commands) == ["demo", "generate", "serve", "train"]
   for name, sub in commands.items():
     for action in sub._actions:
       if not isinstance(action, argparse._HelpAction):
