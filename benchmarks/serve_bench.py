@@ -1,16 +1,27 @@
-"""Serving a request stream: `mtp_jax.Engine` (continuous batching, paged) vs fixed `generate` batches.
+"""Serving a request stream: the Engine against fixed `generate` batches, and against itself at k = 0, 1, K, auto.
 
-N requests with mixed prompt and output lengths arrive at once, in order. The engine keeps
-`max_batch` slots busy, refilling each as its request ends, with a page pool smaller than
-max_batch full-length sequences (a request waits while the pool cannot hold its worst case); the baseline runs them as
-consecutive `generate` batches of max_batch in arrival order, each running until its longest
-request ends. Both are greedy; each pass runs twice and the second (warm, compiled) is timed.
-Prints throughput, cache memory and how many outputs agree. Run: python benchmarks/serve_bench.py [--quick].
+Part 1, for the trained large demo model (drafts are accepted) and a random model of the same
+shape (drafts are rejected): N requests (held-out prompts cut to mixed lengths, mixed output
+lengths) arrive at once, in order. Fixed `generate` batches of max_batch run them in arrival
+order, each batch until its longest request ends (its tokens come back together, at the end of
+the batch); the Engine keeps max_batch slots busy, refilling each as its request ends. Rows:
+generate at k = K; the Engine with num_drafts="auto", with k = K, and without a proposer.
+Columns: tokens/s and its ratio to generate's, time to first token, inter-token latency and
+request latency (to the last token) p50 / p99 from the moment all requests arrived.
+
+Part 2, the trained model: the Engine's tokens/s against max_batch for k = 0 (no proposer), 1,
+K and "auto", each over a stream of 2 x max_batch requests.
+
+All greedy. Each configuration runs twice and the second (compiled) pass is timed; before the
+"auto" rows, the stream also runs once at each fixed k = 0..K, which compiles the steps "auto"
+may pick (a long-running server compiles each once). The counts of outputs equal to generate's
+are printed. Run: python benchmarks/serve_bench.py [--quick].
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -23,74 +34,114 @@ try:
 except ImportError:  # run as `python benchmarks/x.py` from a checkout that is not pip-installed
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
   import mtp_jax
+from mtp_jax import data, demo
 
-K = 3
-FULL = dict(sizes=dict(vocab_size=258, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=64,
-                       intermediate_size=704), num_layers=4, num_requests=32, max_batch=8,
-            prompt_lens=(16, 200), output_lens=(8, 120), max_len=384, page_size=32, num_pages=56)
-QUICK = dict(sizes=dict(vocab_size=64, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16,
-                        intermediate_size=128), num_layers=2, num_requests=6, max_batch=2,
-             prompt_lens=(4, 40), output_lens=(4, 24), max_len=96, page_size=16, num_pages=8)
+FULL = dict(num_requests=24, max_batch=8, prompt_lens=(16, 160), output_lens=(16, 96), max_len=320, page_size=32,
+            batches=(1, 2, 4, 8), table_output=48)
+QUICK = dict(num_requests=6, max_batch=2, prompt_lens=(4, 40), output_lens=(4, 24), max_len=96, page_size=16,
+             batches=(1, 2), table_output=8)
 
 
-def _engine_pass(target, proposer, requests, opts):
-  engine = mtp_jax.Engine(target, proposer, max_batch=opts["max_batch"], max_len=opts["max_len"],
-                          page_size=opts["page_size"], num_pages=opts["num_pages"], num_drafts=K)
+def _requests(n, opts, seed):
+  """n (prompt ids, max_new_tokens): held-out prompts cut to mixed lengths."""
+  rng = np.random.default_rng(seed)
+  prompts = data.heldout_prompts(n, prompt_len=opts["prompt_lens"][1], seed=seed)
+  return [(list(p[:int(rng.integers(*opts["prompt_lens"]))]), int(rng.integers(*opts["output_lens"])))
+          for p in prompts]
+
+
+def _q(values, q):
+  return float(np.quantile(np.asarray(values), q)) if len(values) else float("nan")
+
+
+def _engine_pass(target, proposer, requests, opts, num_drafts, max_batch):
+  engine = mtp_jax.Engine(target, proposer, max_batch=max_batch, max_len=opts["max_len"],
+                          page_size=opts["page_size"], num_drafts=num_drafts)
   t0 = time.perf_counter()
   ids = [engine.add_request(p, m) for p, m in requests]
   out = engine.run()
   wall = time.perf_counter() - t0
-  return wall, [out[i] for i in ids], engine.metrics()["cache_bytes"], engine
+  reqs = [engine.requests[i] for i in ids]
+  m = engine.metrics()
+  return dict(wall=wall, out=[out[i] for i in ids], ttft=[r.first_token_at - t0 for r in reqs],
+              itl=(m["itl_seconds_p50"], m["itl_seconds_p99"]), last=[r.finished_at - t0 for r in reqs],
+              accepted=m["mean_accepted_length"])
 
 
-def _generate_pass(target, proposer, requests, opts):
+def _generate_pass(target, proposer, requests, max_batch):
   t0 = time.perf_counter()
-  outs, peak = [], 0
-  b = opts["max_batch"]
-  for start in range(0, len(requests), b):
-    chunk = requests[start:start + b]
-    longest = max(m for _, m in chunk)
-    res = mtp_jax.generate(target, proposer, [p for p, _ in chunk], longest, num_drafts=K)
+  outs, done_at = [], []
+  for start in range(0, len(requests), max_batch):
+    chunk = requests[start:start + max_batch]
+    res = mtp_jax.generate(target, proposer, [p for p, _ in chunk], max(m for _, m in chunk))
     outs += [toks[:m] for toks, (_, m) in zip(res.tokens, chunk)]
-    # generate's caches: B x max_len rows per layer (max_len = padded prompt + longest + k + 1)
-    t = -(-max(len(p) for p, _ in chunk) // 32) * 32
-    rows = len(chunk) * (t + longest + K + 1)
-    peak = max(peak, rows)
-  return time.perf_counter() - t0, outs, peak
+    done_at += [time.perf_counter() - t0] * len(chunk)
+  return dict(wall=time.perf_counter() - t0, out=outs, ttft=done_at, last=done_at, itl=None, accepted=None)
+
+
+def _twice(fn):
+  fn()  # compiles
+  return fn()
+
+
+def _stream_table(name, target, proposer, opts, k):
+  requests = _requests(opts["num_requests"], opts, seed=1)
+  tokens = sum(m for _, m in requests)
+  b = opts["max_batch"]
+  for w in range(k):  # compiles the narrower steps "auto" may pick (k=K is compiled by its own row)
+    _engine_pass(target, proposer, requests, opts, w, b)
+  runs = [("fixed generate batches, k=K", _twice(lambda: _generate_pass(target, proposer, requests, b))),
+          ('Engine, num_drafts="auto"', _twice(lambda: _engine_pass(target, proposer, requests, opts, "auto", b))),
+          ("Engine, k=K", _twice(lambda: _engine_pass(target, proposer, requests, opts, k, b))),
+          ("Engine, no proposer (k=0)", _twice(lambda: _engine_pass(target, None, requests, opts, None, b)))]
+  base = runs[0][1]
+  print(f"\n## {name}: {len(requests)} requests at once, {b} slots, K={k}; prompts {opts['prompt_lens'][0]}.."
+        f"{opts['prompt_lens'][1]} bytes, outputs {opts['output_lens'][0]}..{opts['output_lens'][1]} tokens\n")
+  print("| loop | tokens/s | vs generate | TTFT p50 / p99 s | ITL p50 / p99 ms | latency p50 / p99 s | "
+        "accepted length | outputs equal to generate |")
+  print("|---|---|---|---|---|---|---|---|")
+  for label, r in runs:
+    assert sum(len(o) for o in r["out"]) == tokens  # no eos: every request gets all its tokens
+    itl = "all at once" if r["itl"] is None else f"{1e3 * r['itl'][0]:.1f} / {1e3 * r['itl'][1]:.1f}"
+    acc = "" if r["accepted"] is None else f"{r['accepted']:.2f}"
+    equal = sum(a == g for a, g in zip(r["out"], base["out"]))
+    print(f"| {label} | {tokens / r['wall']:.1f} | {base['wall'] / r['wall']:.2f}x | {_q(r['ttft'], .5):.2f} / "
+          f"{_q(r['ttft'], .99):.2f} | {itl} | {_q(r['last'], .5):.2f} / {_q(r['last'], .99):.2f} | {acc} | "
+          f"{equal}/{len(requests)} |")
+
+
+def _batch_table(target, proposer, opts, k):
+  widths = [("0", None, None), ("1", proposer, 1), (str(k), proposer, k), ("auto", proposer, "auto")]
+  print(f"\n## Engine tokens/s against max_batch (trained model; 2 x max_batch requests of {opts['table_output']} "
+        "tokens, prompts as above)\n")
+  print("| max_batch | " + " | ".join(f"k={w}" for w, _, _ in widths) + " | auto vs best fixed k |")
+  print("|---" * (len(widths) + 2) + "|")
+  for b in opts["batches"]:
+    requests = [(p, opts["table_output"]) for p, _ in _requests(2 * b, opts, seed=2)]
+    tokens = len(requests) * opts["table_output"]
+    for w in range(2, k):  # the widths "auto" may pick that no column compiles
+      _engine_pass(target, proposer, requests, opts, w, b)
+    rates = [tokens / _twice(lambda: _engine_pass(target, prop, requests, opts, nd, b))["wall"]
+             for _, prop, nd in widths]
+    print(f"| {b} | " + " | ".join(f"{r:.1f}" for r in rates) + f" | {rates[-1] / max(rates[:-1]):.2f}x |")
 
 
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--quick", action="store_true", help="tiny sizes (a smoke run)")
-  opts = QUICK if ap.parse_args(argv).quick else FULL
-  common = opts["sizes"]
-  target = mtp_jax.init_target(mtp_jax.TargetConfig(num_layers=opts["num_layers"], **common), 0)
-  proposer = mtp_jax.init_mtp(mtp_jax.MtpConfig(num_modules=K, **common), 1)
-  rng = np.random.default_rng(0)
-  n = opts["num_requests"]
-  requests = [(rng.integers(0, common["vocab_size"], size=int(rng.integers(*opts["prompt_lens"]))).tolist(),
-               int(rng.integers(*opts["output_lens"]))) for _ in range(n)]
-  for _ in range(2):  # the first pass compiles
-    e_wall, e_out, e_bytes, engine = _engine_pass(target, proposer, requests, opts)
-    g_wall, g_out, g_rows = _generate_pass(target, proposer, requests, opts)
-  tokens = sum(len(o) for o in e_out)
-  assert tokens == sum(m for _, m in requests)  # no eos: every request gets all its tokens
-  # bytes per cache row, all layers of target and proposer: from the engine's pools
-  row_bytes = e_bytes / (engine.num_pages * engine.page_size)
-  agree = sum(a == b for a, b in zip(e_out, g_out))
-  print(f"# serving {n} requests ({jax.devices()[0].platform}, D={common['hidden_size']}, "
-        f"{opts['num_layers']} target layers, K=k={K}; prompts {opts['prompt_lens'][0]}.."
-        f"{opts['prompt_lens'][1]}, outputs {opts['output_lens'][0]}..{opts['output_lens'][1]} tokens)\n")
-  print("| loop | batch | wall s | tokens/s | cache MB | outputs equal |")
-  print("|---|---|---|---|---|---|")
-  print(f"| Engine (paged, page_size={opts['page_size']}, {engine.num_pages} pages) | {opts['max_batch']} slots | "
-        f"{e_wall:.2f} | {tokens / e_wall:.1f} | {e_bytes / 2**20:.1f} | {agree}/{n} |")
-  print(f"| fixed generate batches | {opts['max_batch']} | {g_wall:.2f} | {tokens / g_wall:.1f} | "
-        f"{g_rows * row_bytes / 2**20:.1f} (largest batch) | reference |")
-  ttft = [r.stats["ttft_s"] for r in engine.requests.values()]
-  acc = [r.stats["accepted_length"] for r in engine.requests.values()]
-  print(f"\nEngine per request: time to first token median {np.median(ttft):.2f} s (max {max(ttft):.2f} s), "
-        f"accepted length median {np.median(acc):.2f}.")
+  ap.add_argument("--quick", action="store_true", help="the small demo model, a few short requests (a smoke run)")
+  quick = ap.parse_args(argv).quick
+  opts = QUICK if quick else FULL
+  name = "small" if quick else demo.default_demo()
+  target, proposer, _ = demo.load_demo(name=name)
+  k = proposer.cfg.num_modules
+  random_target = mtp_jax.init_target(target.cfg, 0)
+  random_proposer = mtp_jax.init_mtp(proposer.cfg, 1)
+  print(f"# serve_bench ({jax.devices()[0].platform}, {os.cpu_count()} CPUs, load average at start "
+        f"{os.getloadavg()[0]:.2f})")
+  _stream_table(f"trained {name} demo model", target, proposer, opts, k)
+  _stream_table(f"random model of the {name} demo's shape", random_target, random_proposer, opts, k)
+  _batch_table(target, proposer, opts, k)
+  print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":
