@@ -16,7 +16,7 @@ from test_grammar_generate import (BOS, EOS, G, MAX_NEW, PATTERN, PROMPTS, PROPO
 # 3 slots but 40 pages of 2 rows: two requests of 14 and 12 pages hold 26, so a third of 15 waits
 # for pages with a slot free, and a slot that finishes is refilled from the queue. The pages
 # attention reads (the budget) follow the pages in flight up from 16 and down again.
-SETTINGS = dict(max_batch=3, max_len=64, page_size=2, num_pages=40)
+SETTINGS = dict(max_batch=3, max_len=64, page_size=2, num_pages=40, num_drafts=K)  # auto: its own test
 LONGEST = 24
 
 
@@ -72,7 +72,7 @@ def test_cancel_frees_a_slot_and_leaves_the_others_exact():
 def test_constrained_and_free_requests_equal_generate_alone_under_the_grammar():
   """A constrained request arriving while a free one runs: each equals generate on it alone with
   grammar=G and constrained=[True] / [False] (greedy)."""
-  engine = Engine(TARGET, PROPOSER, max_batch=2, max_len=64, page_size=8, eos_token_id=EOS, grammar=G)
+  engine = Engine(TARGET, PROPOSER, max_batch=2, max_len=64, page_size=8, eos_token_id=EOS, grammar=G, num_drafts=K)
   free = engine.add_request(PROMPTS[1], MAX_NEW, constrained=False)
   engine.step()
   constrained = engine.add_request(PROMPTS[0], MAX_NEW)  # constrained by default
@@ -126,7 +126,7 @@ def test_metrics_deadlines_and_a_bounded_queue_return_every_page():
 
 
 def _alone_in_engine(prompt, max_new_tokens, **settings) -> list[int]:
-  engine = Engine(TARGET5, PROPOSER5, **SETTINGS, num_drafts=K)
+  engine = Engine(TARGET5, PROPOSER5, **SETTINGS)
   rid = engine.add_request(prompt, max_new_tokens, **settings)
   return engine.run()[rid]
 
@@ -137,7 +137,7 @@ def test_mixed_settings_each_request_as_if_alone():
   tokens it gives in an engine of its own (per-request key streams, one compiled step)."""
   sampled = dict(temperature=1.5, top_k=4, seed=7)
   nucleus = dict(temperature=0.9, top_p=0.9, seed=3, num_drafts=1)
-  engine = Engine(TARGET5, PROPOSER5, **SETTINGS, num_drafts=K)
+  engine = Engine(TARGET5, PROPOSER5, **SETTINGS)
   a = engine.add_request([1, 2, 3], 20)
   b = engine.add_request([4, 0, 1], 16, **sampled)
   engine.step()
@@ -156,7 +156,7 @@ def test_end_tokens_per_request():
   """eos_token_ids cuts a request at the first of its end tokens (kept), its neighbour runs on."""
   want = _alone((1, 2, 3))[:20]
   stop = want[5]
-  engine = Engine(TARGET5, PROPOSER5, **SETTINGS, num_drafts=K)
+  engine = Engine(TARGET5, PROPOSER5, **SETTINGS)
   cut = engine.add_request([1, 2, 3], 20, eos_token_ids=[stop])
   full = engine.add_request([1, 2, 3], 20)
   out = engine.run()
@@ -183,6 +183,23 @@ def test_grammars_per_request_come_and_go():
     want = mtp_jax.generate(TARGET, PROPOSER, [req.prompt], req.max_new_tokens, num_drafts=K, eos_token_id=EOS,
                             grammar=g).tokens[0]
     assert out[rid] == want, rid
+
+
+def test_auto_width_changes_and_greedy_output_stays_exact():
+  """num_drafts="auto" (the default with a proposer) tries each width while it measures: the width
+  changes from call to call, and every request still equals generate alone."""
+  engine = Engine(TARGET5, PROPOSER5, max_batch=2, max_len=64, page_size=2, num_pages=40)
+  assert engine.num_drafts == "auto"
+  ids = [engine.add_request(p, 20) for p in ([1, 2, 3], [4, 0, 1], [2, 2, 4, 1])]
+  widths = set()
+  while engine.num_running or engine.num_waiting:
+    engine.step()
+    widths.add(engine.metrics()["verify_width"])
+  assert len(widths) >= 2 and widths <= set(range(K + 1))
+  for rid in ids:
+    assert engine.requests[rid].tokens == _alone(tuple(engine.requests[rid].prompt))[:20]
+  m = engine.metrics()
+  assert m["drafts_proposed_total"] < K * m["verify_steps_total"]  # some steps verified fewer than K
 
 
 def test_draft_policy_tries_each_width_then_picks_the_most_tokens_per_second():
@@ -253,7 +270,7 @@ class TestErrors:
     with pytest.raises(ValueError, match="temperature is engine-wide on a tree or relaxed engine"):
       relaxed.add_request([1], 3, temperature=0.5)
     with pytest.raises(ValueError, match='num_drafts="auto" needs an engine with a proposer'):
-      Engine(TARGET5, None, **SETTINGS).add_request([1], 3, num_drafts="auto")
+      Engine(TARGET5, None, max_len=64, page_size=2).add_request([1], 3, num_drafts="auto")
     assert engine.num_waiting == relaxed.num_waiting == 0
 
   def test_grammar_needs_its_eos(self):

@@ -159,8 +159,7 @@ def _mesh_child() -> dict:
   mesh = sharding.make_mesh(2, 2)
   t, p = sharding.shard_params(target, mesh), sharding.shard_params(proposer, mesh)
   runs = {name: mtp_jax.generate(t, p, PROMPTS, NEW, eos_token_id=eos, mesh=mesh, **kwargs).tokens
-          for name, kwargs in [("tree", dict(tree=TREE)), ("paged", dict(page_size=4)),
-                               ("tree_paged", dict(tree=TREE, page_size=4))]}
+          for name, kwargs in [("paged", dict(page_size=4)), ("tree_paged", dict(tree=TREE, page_size=4))]}
   engine = mtp_jax.Engine(t, p, max_batch=4, max_len=64, page_size=4, eos_token_id=eos, mesh=mesh, tree=TREE)
   ids = [engine.add_request(q, NEW) for q in PROMPTS]
   out = engine.run()

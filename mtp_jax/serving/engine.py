@@ -5,8 +5,8 @@ own settings (temperature, top_k, top_p, seed, num_drafts, end tokens, grammar):
 state as per-slot arrays (`SlotSettings`), so any mix runs one compiled step. `step()`:
 
 1. admits waiting requests into free slots (FIFO, while the page pool can hold each one's
-   worst case): one jitted `prefill` over the admitted slots writes their prompt rows, emits
-   their first token and drafts; running slots pass through untouched;
+   worst case): one jitted `prefill_slots` over the admitted slots only writes their prompt rows,
+   emits their first token and drafts; running slots are neither computed nor touched;
 2. runs the decode step `generate` itself runs, once over all slots; before each jitted call
    the host sets the page budget (the pages attention reads, see blocks/paged.py) from the
    pages the call may hold, so reads follow the tokens in flight;
@@ -46,8 +46,8 @@ from mtp_jax.serving.metrics import Samples
 from mtp_jax.serving.generate import padded_prompts
 from mtp_jax.serving.options import Paging, StepSettings
 from mtp_jax.sampling import RowSampling
-from mtp_jax.serving.step import (EOS_PER_SLOT, DecodeStep, SlotSettings, jit_free, jit_pages_needed, jit_prefill,
-                                  jit_run_for)
+from mtp_jax.serving.step import (EOS_PER_SLOT, DecodeStep, SlotSettings, jit_free, jit_pages_needed,
+                                  jit_prefill_slots, jit_run_for)
 from mtp_jax.target import TargetModel
 from mtp_jax.tree import TreeSpec
 
@@ -143,9 +143,11 @@ class Engine:
       the rows of a step (K + 1, or a tree's nodes + 1).
     page_size, num_pages: the paged caches (page_size must divide max_len; num_pages per layer,
       default max_batch * max_len / page_size, at least max_len / page_size).
-    num_drafts: the requests' default: an int 0..K, or "auto" (the default with a proposer; see
-      `DraftPolicy`). temperature, top_k, top_p, eos_token_id, seed: the requests' defaults
-      (`add_request` overrides each). A request's default seed is the engine's seed folded with
+    num_drafts: "auto" (the default with a proposer; see `DraftPolicy`): the proposer drafts its
+      K and each step verifies as many as pay. An int k in 1..K: it drafts k and verifies k
+      (requests may ask for 0..k). 0: requests decode without drafts unless they ask for some.
+    temperature, top_k, top_p, eos_token_id, seed: the requests' defaults (`add_request`
+      overrides each). A request's default seed is the engine's seed folded with
       its id.
     relaxed, tree: as for `generate`; such an engine decodes every request with its engine-wide
       settings (sampling, num_drafts, end token), which `add_request` then refuses to override.
@@ -441,28 +443,34 @@ class Engine:
       return
     self._next_pages = None  # the prefill takes pages
     self._use_grammars([r.grammar for r in admitted if r.grammar is not None])
-    b = len(self._slots)
-    prompts_BxT, lens_B = padded_prompts([r.prompt for r in admitted], b, [r.slot for r in admitted])
-    admit_B, max_new_B = np.zeros((b,), bool), np.zeros((b,), np.int32)
-    gstart_B = np.full((b,), grammar_lib.FREE, np.int32)
-    for r in admitted:
-      admit_B[r.slot], max_new_B[r.slot] = True, r.max_new_tokens
-      if r.grammar is not None:
-        gstart_B[r.slot] = self._offsets[self._grammar_index(r.grammar)] + grammar_lib.START
+    b, n = len(self._slots), len(admitted)
+    _, lens_B = padded_prompts([r.prompt for r in admitted], b, [r.slot for r in admitted])
     self._rebudget(lens_B)
-    self._s = jit_prefill(self._step, self.target, self.proposer, self._union, self._s, prompts_BxT, lens_B, admit_B,
-                          gstart_B, max_new_B, self._slot_settings(admitted) if self.per_slot else None)
+    # The prefill runs over the admitted slots only, padded with others (untouched) to a power of
+    # two: one compile per (count, prompt length) bucket. On a mesh, over all (A must divide it).
+    a = b if self._step.settings.mesh is not None else min(b, 1 << (n - 1).bit_length())
+    taken = {r.slot for r in admitted}
+    idx_A = np.asarray([r.slot for r in admitted] + [i for i in range(b) if i not in taken][:a - n], np.int32)
+    prompts_AxT, lens_A = padded_prompts([r.prompt for r in admitted], a, range(n))
+    admit_A, max_new_A = np.arange(a) < n, np.zeros((a,), np.int32)
+    gstart_A = np.full((a,), grammar_lib.FREE, np.int32)
+    for i, r in enumerate(admitted):
+      max_new_A[i] = r.max_new_tokens
+      if r.grammar is not None:
+        gstart_A[i] = self._offsets[self._grammar_index(r.grammar)] + grammar_lib.START
+    self._s = jit_prefill_slots(self._step, self.target, self.proposer, self._union, self._s, idx_A, prompts_AxT,
+                                lens_A, admit_A, gstart_A, max_new_A,
+                                self._slot_settings(admitted, a) if self.per_slot else None)
 
-  def _slot_settings(self, admitted: list[Request]) -> SlotSettings:
-    """The admitted requests' settings in their slots (the other slots' entries are not used).
-    A request's key: key(seed), else the engine's key folded with its id."""
-    b, v = len(self._slots), self.target.cfg.vocab_size
-    temperature, top_k = np.zeros((b,), np.float32), np.zeros((b,), np.int32)
-    top_p, caps = np.ones((b,), np.float32), np.zeros((b,), np.int32)
-    eos = np.full((b, EOS_PER_SLOT), -1, np.int32)
-    keys = [self._key] * b
-    for r in admitted:
-      i = r.slot
+  def _slot_settings(self, admitted: list[Request], a: int) -> SlotSettings:
+    """The admitted requests' settings, in rows 0..len(admitted)-1 of a (the other rows are not
+    used). A request's key: key(seed), else the engine's key folded with its id."""
+    v = self.target.cfg.vocab_size
+    temperature, top_k = np.zeros((a,), np.float32), np.zeros((a,), np.int32)
+    top_p, caps = np.ones((a,), np.float32), np.zeros((a,), np.int32)
+    eos = np.full((a, EOS_PER_SLOT), -1, np.int32)
+    keys = [self._key] * a
+    for i, r in enumerate(admitted):
       temperature[i], top_k[i], top_p[i] = r.temperature, min(r.top_k or 0, v), 1.0 if r.top_p is None else r.top_p
       caps[i] = self.max_drafts if r.num_drafts == "auto" else r.num_drafts
       eos[i, :len(r.eos_token_ids)] = r.eos_token_ids

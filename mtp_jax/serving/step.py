@@ -450,6 +450,32 @@ class DecodeStep:
               tree_probs=None if s.tree_probs is None else keep(tree_probs, s.tree_probs))
     return self._stop_out_of_pages(s)
 
+  def slot_axes(self, target, proposer, grammar) -> list[int]:
+    """For each leaf of this step's LoopState (flattened order): the axis that runs over the slots,
+    or -1 for a leaf all slots share (page pools, the free list, the step key, counters per
+    position). Read from the shapes of a 1-slot and a 2-slot state, so no field is listed by hand."""
+    shapes = [jax.tree_util.tree_leaves(jax.eval_shape(lambda: self.init(target, proposer, grammar, b,
+                                                                          jax.random.key(0))))
+              for b in (1, 2)]
+    return [next((i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y), -1) for a, b in zip(*shapes)]
+
+  def prefill_slots(self, target, proposer, grammar, s: LoopState, idx_A, prompts_AxT, lens_A, admit_A, gstart_A,
+                    max_new_A, slots: SlotSettings | None = None) -> LoopState:
+    """`prefill` over the A slots idx_A (int32[A], distinct) only: the admitted ones are those of
+    idx_A where admit_A (bool[A]); prompts_AxT, lens_A, gstart_A, max_new_A and slots are theirs,
+    in idx_A's order. The rows of the other B - A slots are not computed (a prefill over all B
+    slots costs B x T rows of the target for the few admitted). Not on a mesh (A need not divide
+    the data axis)."""
+    leaves, treedef = jax.tree_util.tree_flatten(s)
+    axes = self.slot_axes(target, proposer, grammar)
+    if len(axes) != len(leaves):
+      raise ValueError(f"prefill_slots: the state has {len(leaves)} arrays, this step's {len(axes)}")
+    sub = treedef.unflatten([x if a < 0 else jnp.take(x, idx_A, axis=a) for x, a in zip(leaves, axes)])
+    sub = self.prefill(target, proposer, grammar, sub, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A, slots)
+    put = lambda x, y, a: y if a < 0 else x.at[(slice(None),) * a + (idx_A,)].set(y)
+    sub_leaves, sub_def = jax.tree_util.tree_flatten(sub)  # its static fields as the prefill left them
+    return sub_def.unflatten([put(x, y, a) for x, y, a in zip(leaves, sub_leaves, axes)])
+
   def _sample(self, logits_BxV, s: LoopState, key):
     """int32[B]: a token per slot, with the slots' or the step's sampling settings."""
     if s.slots is not None:
@@ -550,6 +576,13 @@ class DecodeStep:
 def jit_prefill(step: DecodeStep, target, proposer, grammar, s: LoopState, prompts_BxT, lens_B, admit_B,
                 gstart_B, max_new_B, slots=None) -> LoopState:
   return step.prefill(target, proposer, grammar, s, prompts_BxT, lens_B, admit_B, gstart_B, max_new_B, slots)
+
+
+@functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
+def jit_prefill_slots(step: DecodeStep, target, proposer, grammar, s: LoopState, idx_A, prompts_AxT, lens_A, admit_A,
+                      gstart_A, max_new_A, slots=None) -> LoopState:
+  return step.prefill_slots(target, proposer, grammar, s, idx_A, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A,
+                            slots)
 
 
 @functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
