@@ -8,11 +8,21 @@ too; benchmarks and users keep XLA's defaults.
 """
 
 import os
+import tempfile
 
 _FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FAST_COMPILE).strip()
 
+
+# A disk cache of compiled programs, shared by both xdist workers, the modules (each module's
+# in-memory programs are dropped, below) and the subprocesses (CLI, notebooks, server, the mesh
+# child), which compile many of the same small programs. Keys are the programs' HLO and compile
+# options, so an entry is reused only for an identical program; a stale entry is never read.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      os.path.join(tempfile.gettempdir(), f"mtp-jax-tests-xla-{os.getuid()}"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.05")
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "0")
 
 import gc  # noqa: E402
 

@@ -152,6 +152,25 @@ def test_mixed_settings_each_request_as_if_alone():
   assert engine.free_pages() == SETTINGS["num_pages"] and engine.num_running == 0
 
 
+def test_a_long_prompt_is_written_in_parts_between_the_running_steps():
+  """prefill_chunk=8: a 21-token prompt arriving while another request decodes is written in
+  three parts, one per step(), and the running request gains tokens at each of them; both equal
+  generate alone, and every page comes back."""
+  engine = Engine(TARGET5, PROPOSER5, **SETTINGS, prefill_chunk=8)
+  running = engine.add_request([1, 2, 3], 24)
+  engine.step()
+  long_prompt = [4, 0, 1, 2, 3, 4, 2] * 3
+  late = engine.add_request(long_prompt, 12)
+  gains = []
+  while not engine.requests[late].tokens:
+    gains.append(len(engine.step().get(running, [])))
+  assert len(gains) == 3 and all(gains)  # parts of 8, 8, then the last 5 with the first token
+  out = engine.run()
+  assert out[running] == _alone((1, 2, 3))[:24]
+  assert out[late] == mtp_jax.generate(TARGET5, PROPOSER5, [long_prompt], 12, num_drafts=K).tokens[0]
+  assert engine.free_pages() == SETTINGS["num_pages"] and engine.num_running == 0
+
+
 def test_end_tokens_per_request():
   """eos_token_ids cuts a request at the first of its end tokens (kept), its neighbour runs on."""
   want = _alone((1, 2, 3))[:20]

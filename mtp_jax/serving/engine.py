@@ -47,7 +47,7 @@ from mtp_jax.serving.generate import padded_prompts
 from mtp_jax.serving.options import Paging, StepSettings
 from mtp_jax.sampling import RowSampling
 from mtp_jax.serving.step import (EOS_PER_SLOT, DecodeStep, SlotSettings, jit_free, jit_pages_needed,
-                                  jit_prefill_slots, jit_run_for)
+                                  jit_prefill_part, jit_prefill_slots, jit_run_for)
 from mtp_jax.target import TargetModel
 from mtp_jax.tree import TreeSpec
 
@@ -79,6 +79,7 @@ class Request:
   status: str = "waiting"
   slot: int | None = None
   pages: int = 0  # pages reserved in each pool while running
+  prefilled: int = 0  # prompt tokens written by earlier parts (Engine(prefill_chunk=))
   verify_calls: int = 0
   deadline_s: float | None = None
   arrived_at: float = 0.0
@@ -159,6 +160,10 @@ class Engine:
       raises `QueueFull`, so an overloaded engine refuses work instead of growing without bound.
     steps_per_call: decode steps one `step()` runs on device before the host reads the tokens
       (fewer when a request finishes, or one when a waiting request could take a free slot).
+    prefill_chunk: prompt tokens one call writes for a request (default: whole prompts). A longer
+      prompt is written in parts of prefill_chunk tokens, one part per `step()` (only its slot
+      computed), between the running requests' decode steps, so it does not stall them for its
+      whole prefill; it starts decoding with its last part.
   """
 
   def __init__(self, target: TargetModel, proposer: MtpModel | None, *, max_batch: int = 8,
@@ -167,7 +172,7 @@ class Engine:
                top_p: float | None = None, eos_token_id: int | None = None, seed: int = 0,
                grammar: grammar_lib.Grammar | None = None, relaxed: tuple[int, float] | None = None,
                tree: TreeSpec | None = None, mesh: jax.sharding.Mesh | None = None,
-               max_waiting: int | None = None, steps_per_call: int = 4):
+               max_waiting: int | None = None, steps_per_call: int = 4, prefill_chunk: int | None = None):
     self.per_slot = tree is None and relaxed is None
     auto = proposer is not None and self.per_slot and (num_drafts is None or num_drafts == "auto")
     if num_drafts == "auto" and not auto:
@@ -179,6 +184,7 @@ class Engine:
     max_batch = validate.positive_int("max_batch", max_batch)
     self.max_waiting = validate.optional_int("max_waiting", max_waiting, 0)
     self.steps_per_call = validate.positive_int("steps_per_call", steps_per_call)
+    self.prefill_chunk = None if prefill_chunk is None else validate.positive_int("prefill_chunk", prefill_chunk)
     max_len = validate.integer("max_len", max_len, d.rows_per_step + 1)
     page_size, num_pages = options.paging(max_len, page_size, num_pages, max_batch)
     self.target, self.proposer = target, proposer
@@ -190,7 +196,6 @@ class Engine:
     self._step = DecodeStep(StepSettings(
         num_drafts=d.num_drafts, max_new_tokens=max_len, max_len=max_len, sampling=d.sampling,
         eos_token_id=d.eos_token_id, relaxed=d.relaxed, tree=tree, mesh=mesh, per_slot=self.per_slot,
-        verify_drafts=d.num_drafts if self.per_slot else None,
         paging=Paging(page_size, num_pages, budget_bucket(0, num_pages))))
     self.grammar = grammar
     self._grammar_eos = None if grammar is None else grammar.eos_token_id  # every grammar of the engine ends so
@@ -200,6 +205,7 @@ class Engine:
     self._s = self._step.init(target, proposer, None, max_batch, jax.random.key(d.seed))  # donated: its own buffer
     self._slots: list[int | None] = [None] * max_batch
     self._waiting: collections.deque[int] = collections.deque()
+    self._parts: collections.deque[int] = collections.deque()  # running requests whose prompt is written in parts
     self._reserved = 0
     self._next_pages = None  # pages the next step needs, read with the last step's outputs
     self._ids = itertools.count()
@@ -209,6 +215,12 @@ class Engine:
     self._accepted_at = np.zeros((self.max_drafts,), np.int64)
     self._proposed_at = np.zeros((self.max_drafts,), np.int64)
     self._compiled: set = set()  # step settings that ran once (the next call of each is a timing sample)
+
+  @property
+  def _any_width(self) -> DecodeStep:
+    """The step without its verify width: what the prefill, page counts and frees are compiled
+    for (they do not depend on the width, so "auto" does not compile them once per width)."""
+    return self._step.replace(verify_drafts=None)
 
   @property
   def page_budget(self) -> int:
@@ -403,7 +415,7 @@ class Engine:
     if any(r.num_drafts == "auto" for r in running):
       k = max(k, self.policy.choose(len(running), self._accepted_at, self._proposed_at))
     if k != self._step.settings.verify_width:
-      self._step = self._step.replace(verify_drafts=k)
+      self._step = self._step.replace(verify_drafts=None if k == self.max_drafts else k)
       self._next_pages = None  # read for the old width's rows
 
   def _expire(self, now: float) -> None:
@@ -439,26 +451,52 @@ class Engine:
       self._slots[req.slot] = req.id
       self._reserved += req.pages
       admitted.append(req)
-    if not admitted:
-      return
+    in_parts = lambda r: self.prefill_chunk is not None and len(r.prompt) > self.prefill_chunk
+    whole = [r for r in admitted if not in_parts(r)]
+    self._parts.extend(r.id for r in admitted if in_parts(r))
+    if self._parts:  # the oldest prompt written in parts: its next part, or its last with the others
+      head = self.requests[self._parts[0]]
+      if len(head.prompt) - head.prefilled <= self.prefill_chunk:
+        whole.append(self.requests[self._parts.popleft()])
+      else:
+        self._prefill_part(head)
+    if whole:
+      self._prefill(whole)
+
+  def _prefill_part(self, req: Request) -> None:
+    """Writes the next prefill_chunk tokens of req's prompt into its slot (not its last part)."""
+    self._next_pages = None  # the part takes pages
+    c, done = self.prefill_chunk, req.prefilled
+    prompt_1xT, len_1 = padded_prompts([req.prompt[done:done + c]], 1, [0])
+    next_1xT, _ = padded_prompts([req.prompt[done + 1:done + c + 1]], 1, [0])
+    lens_B = np.zeros((len(self._slots),), np.int32)
+    lens_B[req.slot] = c
+    self._rebudget(lens_B)
+    self._s = jit_prefill_part(self._any_width, self.target, self.proposer, self._union, self._s,
+                               np.asarray([req.slot], np.int32), prompt_1xT, len_1, next_1xT)
+    req.prefilled += c
+
+  def _prefill(self, admitted: list[Request]) -> None:
+    """Prefills the (rest of the) prompts of admitted requests and starts their decoding."""
     self._next_pages = None  # the prefill takes pages
     self._use_grammars([r.grammar for r in admitted if r.grammar is not None])
     b, n = len(self._slots), len(admitted)
-    _, lens_B = padded_prompts([r.prompt for r in admitted], b, [r.slot for r in admitted])
+    prompts = [r.prompt[r.prefilled:] for r in admitted]
+    _, lens_B = padded_prompts(prompts, b, [r.slot for r in admitted])
     self._rebudget(lens_B)
     # The prefill runs over the admitted slots only, padded with others (untouched) to a power of
     # two: one compile per (count, prompt length) bucket. On a mesh, over all (A must divide it).
     a = b if self._step.settings.mesh is not None else min(b, 1 << (n - 1).bit_length())
     taken = {r.slot for r in admitted}
     idx_A = np.asarray([r.slot for r in admitted] + [i for i in range(b) if i not in taken][:a - n], np.int32)
-    prompts_AxT, lens_A = padded_prompts([r.prompt for r in admitted], a, range(n))
+    prompts_AxT, lens_A = padded_prompts(prompts, a, range(n))
     admit_A, max_new_A = np.arange(a) < n, np.zeros((a,), np.int32)
     gstart_A = np.full((a,), grammar_lib.FREE, np.int32)
     for i, r in enumerate(admitted):
       max_new_A[i] = r.max_new_tokens
       if r.grammar is not None:
         gstart_A[i] = self._offsets[self._grammar_index(r.grammar)] + grammar_lib.START
-    self._s = jit_prefill_slots(self._step, self.target, self.proposer, self._union, self._s, idx_A, prompts_AxT,
+    self._s = jit_prefill_slots(self._any_width, self.target, self.proposer, self._union, self._s, idx_A, prompts_AxT,
                                 lens_A, admit_A, gstart_A, max_new_A,
                                 self._slot_settings(admitted, a) if self.per_slot else None)
 
@@ -512,7 +550,7 @@ class Engine:
     follows the pages in flight up and down (one compile per budget, reused when it comes back).
     pages_needed: the pages that call needs when the host already has them (else read here)."""
     if pages_needed is None:
-      pages_needed = int(jit_pages_needed(self._step, self._s, num_new_B))
+      pages_needed = int(jit_pages_needed(self._any_width, self._s, num_new_B))
     budget = budget_bucket(pages_needed, self.num_pages)
     if budget != self.page_budget:
       self._step = DecodeStep(self._step.settings.with_budget(budget))
@@ -524,13 +562,13 @@ class Engine:
     # The next step's page need comes in the same read: freeing slots only lowers it.
     num_out, out, done, oom, verify_calls, accepted_at, proposed_at, self._next_pages = jax.device_get(
         (s.num_out, s.out, s.done, s.out_of_pages, s.verify_calls, s.accepted_at, s.proposed_at,
-         jit_pages_needed(self._step, s, self._step.rows_next(s) * self.steps_per_call)))
+         jit_pages_needed(self._any_width, s, self._step.rows_next(s) * self.steps_per_call)))
     self._next_pages = int(self._next_pages)
     self._accepted_at, self._proposed_at = accepted_at.astype(np.int64), proposed_at.astype(np.int64)
     now = time.perf_counter()
     gained, finished, steps = {}, [], 0
     for slot, rid in enumerate(self._slots):
-      if rid is None:
+      if rid is None or rid in self._parts:  # a prompt still written in parts: not decoding yet
         continue
       req = self.requests[rid]
       new = out[slot, len(req.tokens):min(num_out[slot], req.max_new_tokens)].tolist()
@@ -557,8 +595,10 @@ class Engine:
   def _release(self, slots: list[int]) -> None:
     mask_B = np.zeros((len(self._slots),), bool)
     mask_B[slots] = True
-    self._s = jit_free(self._step, self._s, mask_B)
+    self._s = jit_free(self._any_width, self._s, mask_B)
     for slot in slots:
+      if self._slots[slot] in self._parts:
+        self._parts.remove(self._slots[slot])
       self._reserved -= self.requests[self._slots[slot]].pages
       self.requests[self._slots[slot]].slot = None
       self._slots[slot] = None

@@ -464,16 +464,38 @@ class DecodeStep:
     """`prefill` over the A slots idx_A (int32[A], distinct) only: the admitted ones are those of
     idx_A where admit_A (bool[A]); prompts_AxT, lens_A, gstart_A, max_new_A and slots are theirs,
     in idx_A's order. The rows of the other B - A slots are not computed (a prefill over all B
-    slots costs B x T rows of the target for the few admitted). Not on a mesh (A need not divide
-    the data axis)."""
+    slots costs B x T rows of the target for the few admitted). A slot whose earlier prompt parts
+    `prefill_part` wrote gets its last part here: its rows continue after them. Not on a mesh
+    (A need not divide the data axis)."""
+    return self._on_slots(target, proposer, grammar, s, idx_A, lambda sub: self.prefill(
+        target, proposer, grammar, sub, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A, slots))
+
+  def prefill_part(self, target, proposer, grammar, s: LoopState, slot_1, prompt_1xT, len_1, next_1xT) -> LoopState:
+    """Writes one part of a prompt, not its last, into slot slot_1 (int32[1]): prompt_1xT (int32[1, T],
+    len_1 (int32[1]) tokens of it) continue the slot's target and proposer rows; next_1xT holds
+    the token after each (the prompt shifted by one). Nothing is emitted or drawn: the slot stays
+    done (not decoding) until `prefill_slots` admits the prompt's last part. Only that slot is
+    computed, so a long prompt costs the running requests one part per call, not the whole."""
+    def part(sub: LoopState) -> LoopState:
+      _, hid, tstate = target_step(target, sub.target, prompt_1xT, len_1)
+      sub = sub.set(target=tstate)
+      if proposer is None:
+        return sub
+      # Its drafts are never read (the last part's propose treats them as rejected), so any key will do.
+      key = sub.key if sub.slots is None else sub.slots.keys
+      _, _, pstate = self.drafter.draft(proposer, None, sub.proposer, hid, next_1xT, len_1, None, key, self._rows(sub))
+      return sub.set(proposer=pstate)
+    return self._on_slots(target, proposer, grammar, s, slot_1, part)
+
+  def _on_slots(self, target, proposer, grammar, s: LoopState, idx_A, fn) -> LoopState:
+    """fn applied to the A-slot state of slots idx_A (int32[A], distinct), its slots put back."""
     leaves, treedef = jax.tree_util.tree_flatten(s)
     axes = self.slot_axes(target, proposer, grammar)
     if len(axes) != len(leaves):
-      raise ValueError(f"prefill_slots: the state has {len(leaves)} arrays, this step's {len(axes)}")
-    sub = treedef.unflatten([x if a < 0 else jnp.take(x, idx_A, axis=a) for x, a in zip(leaves, axes)])
-    sub = self.prefill(target, proposer, grammar, sub, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A, slots)
+      raise ValueError(f"the state has {len(leaves)} arrays, this step's {len(axes)}")
+    sub = fn(treedef.unflatten([x if a < 0 else jnp.take(x, idx_A, axis=a) for x, a in zip(leaves, axes)]))
     put = lambda x, y, a: y if a < 0 else x.at[(slice(None),) * a + (idx_A,)].set(y)
-    sub_leaves, sub_def = jax.tree_util.tree_flatten(sub)  # its static fields as the prefill left them
+    sub_leaves, sub_def = jax.tree_util.tree_flatten(sub)  # its static fields as fn left them
     return sub_def.unflatten([put(x, y, a) for x, y, a in zip(leaves, sub_leaves, axes)])
 
   def _sample(self, logits_BxV, s: LoopState, key):
@@ -583,6 +605,12 @@ def jit_prefill_slots(step: DecodeStep, target, proposer, grammar, s: LoopState,
                       gstart_A, max_new_A, slots=None) -> LoopState:
   return step.prefill_slots(target, proposer, grammar, s, idx_A, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A,
                             slots)
+
+
+@functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
+def jit_prefill_part(step: DecodeStep, target, proposer, grammar, s: LoopState, slot_1, prompt_1xT, len_1,
+                     next_1xT) -> LoopState:
+  return step.prefill_part(target, proposer, grammar, s, slot_1, prompt_1xT, len_1, next_1xT)
 
 
 @functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
