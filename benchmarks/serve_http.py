@@ -1,7 +1,7 @@
 """`mtp-jax serve` under load over HTTP: requests/s, time to first token and inter-token latency.
 
-Starts the server in a subprocess on a free local port (the small demo model, greedy), once with
-k drafts and once without the MTP modules (`--num-drafts 0`), and drives each with streaming
+Starts the server in a subprocess on a free local port (the small demo model, greedy), with k
+drafts, with `--num-drafts auto` and without the MTP modules (`--num-drafts 0`), and drives each with streaming
 completions from `concurrency` client threads (1, 8, 32): a fixed number of requests per cell,
 no new one issued after the duration cap. Held-out prompts are sent as token ids. Each cell runs
 twice and the second pass is timed: the first compiles the page budgets (blocks/paged.py) that
@@ -136,7 +136,7 @@ def main(argv=None) -> None:
   prompts = data.heldout_prompts(opts["requests"], prompt_len=opts["prompt_len"], seed=0)
   load_before = os.getloadavg()
   rows = {}
-  for k in (opts["num_drafts"], 0):
+  for k in (opts["num_drafts"], "auto", 0):
     proc, address = start_server(opts, k)
     try:
       for c in opts["concurrency"]:
@@ -161,10 +161,12 @@ def main(argv=None) -> None:
     print(f"| {k} | {c} | {r['requests']} | {r['wall']:.2f} | {r['rps']:.2f} | {r['tokens_per_s']:.1f} | "
           f"{r['ttft_p50']:.1f} | {r['ttft_p99']:.1f} | {r['itl_p50']:.2f} | {r['itl_p99']:.2f} |")
   k = opts["num_drafts"]
-  print(f"\nWith {k} drafts / without, requests/s at concurrency "
-        + ", ".join(f"{c}: {rows[k, c]['rps'] / rows[0, c]['rps']:.2f}x" for c in opts["concurrency"])
-        + f". Mean accepted length with drafts (server metric): {rows[k, 'accepted']:.2f}; pages in use after the "
-        f"load: {rows[k, 'pages']:.0f} and {rows[0, 'pages']:.0f}.")
+  for drafts in (k, "auto"):
+    print(f"\nWith {drafts} drafts / without, requests/s at concurrency "
+          + ", ".join(f"{c}: {rows[drafts, c]['rps'] / rows[0, c]['rps']:.2f}x" for c in opts["concurrency"])
+          + f". Mean accepted length (server metric): {rows[drafts, 'accepted']:.2f}.")
+  print(f"\nPages in use after the load: {rows[k, 'pages']:.0f}, {rows['auto', 'pages']:.0f} and "
+        f"{rows[0, 'pages']:.0f}.")
 
 
 if __name__ == "__main__":

@@ -14,6 +14,10 @@ from mtp_jax.tree import TreeSpec, check_tree
 DEFAULT_DRAFTS = 3
 
 
+def _drafts_arg(text: str) -> int | str:
+  return text if text == "auto" else int(text)
+
+
 def _model_name(args) -> str:
   return "small" if args.small else demo.default_demo()
 
@@ -160,17 +164,18 @@ def _serve(args) -> int:
       raise validate.InvalidValue("--chat-template", f"--chat-template: cannot read {args.chat_template!r}: {e}") from e
   num_drafts = args.num_drafts
   if num_drafts is None:
-    num_drafts = DEFAULT_DRAFTS if args.tree is None else args.tree.depth
+    num_drafts = "auto" if args.tree is None else args.tree.depth
   model = server.load_model(args.model, demo_name="large" if args.large else "small", checkpoint=args.checkpoint,
                             dtype=args.dtype, max_depth=args.max_depth, chat_template=template)
-  num_drafts = validate.integer("--num-drafts", num_drafts, 0, model.proposer.cfg.num_depths)
+  if num_drafts != "auto":
+    num_drafts = validate.integer("--num-drafts", num_drafts, 0, model.proposer.cfg.num_depths)
   if args.eos is not None:
     model = dataclasses.replace(model, eos_token_id=None if args.eos == "none" else args.eos)
   engine = Engine(model.target, model.proposer if num_drafts else None, max_batch=args.max_batch,
                   max_len=args.max_len, page_size=args.page_size, num_pages=args.num_pages,
                   num_drafts=num_drafts or None, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   eos_token_id=model.eos_token_id, seed=args.seed, tree=args.tree, max_waiting=args.max_waiting,
-                  steps_per_call=args.steps_per_call)
+                  steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk)
   return server.serve(engine, model, host=args.host, port=args.port, warmup=not args.no_warmup,
                       shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
 
@@ -311,9 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
                  help="requests that may wait for a slot; more are answered with HTTP 429")
   p.add_argument("--steps-per-call", type=int, default=4,
                  help="decode steps per device call before the host reads the tokens")
-  p.add_argument("--num-drafts", type=int, default=None,
-                 help=f"k drafts per step (default {DEFAULT_DRAFTS}, or the --tree's depth); 0 serves without the "
-                      "MTP modules")
+  p.add_argument("--num-drafts", type=_drafts_arg, default=None,
+                 help='drafts per step: "auto" (the default; the engine verifies as many as pay at the '
+                      "current load), k in 1..K, or 0 to serve without the MTP modules (with --tree: its depth)")
+  p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
+                 help="write longer prompts in parts of this many tokens, between the running requests' steps "
+                      "(default: whole prompts)")
   p.add_argument("--temperature", type=float, default=0.0, help="default sampling temperature; 0 decodes greedily")
   p.add_argument("--top-k", type=int, default=None, metavar="K", help="default top-k filter (with temperature > 0)")
   p.add_argument("--top-p", type=float, default=None, metavar="P", help="default top-p filter (with temperature > 0)")

@@ -186,6 +186,6 @@ def test_bench_fp8_quick(capsys):
 def test_serve_http_quick(capsys):
   serve_http.main(["--quick"])
   out = capsys.readouterr().out
-  # each cell's requests all came back (4 of 4), with drafts (2) and without (0); no page left held
-  assert all(f"| {k} | {c} | 4 | " in out for k in (2, 0) for c in (1, 4))
-  assert "pages in use after the load: 0 and 0." in out
+  # each cell's requests all came back (4 of 4), with drafts (2, auto) and without (0); no page left held
+  assert all(f"| {k} | {c} | 4 | " in out for k in (2, "auto", 0) for c in (1, 4))
+  assert "Pages in use after the load: 0, 0 and 0." in out
