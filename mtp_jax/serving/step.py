@@ -20,9 +20,12 @@ Verify position i is masked with the state after [emitted, d_1..d_i] (a tree nod
 path), the state then advances over the accepted drafts and the next token, and the chain
 drafts from it. All of it runs on device.
 
-`prefill` admits prompts into chosen slots of a state (all of them for `generate`, the newly
-admitted ones for the Engine); the other slots pass through untouched. `generate` and the
-Engine are drivers over these two functions (`jit_prefill`, `jit_step`, `jit_run`).
+`prefill` admits prompts into chosen slots of a state (all of them for `generate`); the other
+slots pass through untouched. The Engine admits through `prefill_slots` (the admitted slots only
+are computed) and writes long prompts in parts with `prefill_part`. With `StepSettings.per_slot`
+each slot carries its own sampling, key, draft cap and end tokens (`SlotSettings`). `generate`
+and the Engine are drivers over these functions (`jit_prefill`, `jit_prefill_slots`,
+`jit_prefill_part`, `jit_step`, `jit_run`, `jit_run_for`).
 """
 
 from __future__ import annotations
