@@ -3,6 +3,7 @@
 import functools
 import time
 
+import numpy as np
 import pytest
 
 import mtp_jax
@@ -14,8 +15,7 @@ from test_grammar_generate import (BOS, EOS, G, MAX_NEW, PATTERN, PROMPTS, PROPO
                                    _assert_matches)
 
 # 3 slots but 40 pages of 2 rows: two requests of 14 and 12 pages hold 26, so a third of 15 waits
-# for pages with a slot free, and a slot that finishes is refilled from the queue. The pages
-# attention reads (the budget) follow the pages in flight up from 16 and down again.
+# for pages with a slot free, and a slot that finishes is refilled from the queue.
 SETTINGS = dict(max_batch=3, max_len=64, page_size=2, num_pages=40, num_drafts=K)  # auto: its own test
 LONGEST = 24
 
@@ -37,10 +37,9 @@ def test_staggered_requests_equal_generate_alone_and_pages_come_back():
   engine.step()
   assert engine.requests[c].status == "waiting" and engine.num_running == 2
   d = engine.add_request([2, 2, 4, 1], 5)
-  streamed, budgets = {}, []
+  streamed = {}
   for rid, new in engine.stream():
     streamed.setdefault(rid, []).extend(new)
-    budgets.append(engine.page_budget)
   for rid in (a, b, c, d):
     req = engine.requests[rid]
     want = _alone(tuple(req.prompt))[:req.max_new_tokens]
@@ -49,7 +48,24 @@ def test_staggered_requests_equal_generate_alone_and_pages_come_back():
     assert req.stats["ttft_s"] > 0 and req.stats["tokens_per_s"] > 0
   assert streamed[c] == engine.requests[c].tokens  # c ran entirely inside the stream
   assert engine.free_pages() == full and engine.num_running == engine.num_waiting == 0
-  assert max(budgets) > 16 and budgets[-1] < max(budgets)  # up with the pages in flight, and down again
+
+
+def test_the_page_span_follows_the_longest_request_and_outputs_stay_exact():
+  """Decode steps read the first `span` pages of each slot: 256 rows' worth at least (4 pages of
+  64), raised as a request grows past them and lowered once it has finished."""
+  engine = Engine(TARGET5, PROPOSER5, max_batch=2, max_len=512, page_size=64, num_drafts=K)
+  prompts = {engine.add_request([1, 2, 3] * 80, 40): [1, 2, 3] * 80, engine.add_request([4, 0, 1], 10): [4, 0, 1]}
+  spans = []
+  while engine.num_running or engine.num_waiting:
+    engine.step()
+    spans.append(engine.page_span)
+  prompts[engine.add_request([2, 2], 8)] = [2, 2]
+  engine.run()
+  spans.append(engine.page_span)
+  assert spans[0] == 4 and 6 in spans and spans[-1] == 4  # 240 + 40 + K + 1 rows need 5 pages: bucket 6
+  for rid, prompt in prompts.items():
+    req = engine.requests[rid]
+    assert req.tokens == mtp_jax.generate(TARGET5, PROPOSER5, [prompt], req.max_new_tokens, num_drafts=K).tokens[0]
 
 
 def test_cancel_frees_a_slot_and_leaves_the_others_exact():
@@ -219,6 +235,18 @@ def test_auto_width_changes_and_greedy_output_stays_exact():
     assert engine.requests[rid].tokens == _alone(tuple(engine.requests[rid].prompt))[:20]
   m = engine.metrics()
   assert m["drafts_proposed_total"] < K * m["verify_steps_total"]  # some steps verified fewer than K
+  # An engine built again takes the first one's step times: with every width timed at one running
+  # request (a width the first engine left untried is given a slow time here), its first call
+  # picks the fastest for the prior acceptance at once, instead of trying each width.
+  for k in range(K + 1):
+    if (k, 1) not in engine.policy.seconds:
+      engine.policy.record(k, 1, 1.0)
+  again = Engine(TARGET5, PROPOSER5, max_batch=2, max_len=64, page_size=2, num_pages=40, draft_policy=engine.policy)
+  rid = again.add_request([1, 2, 3], 20)
+  gain = lambda k: (1 + sum(0.5 ** (i + 1) for i in range(k))) / np.median(engine.policy.seconds[(k, 1)])
+  again.step()
+  assert again.metrics()["verify_width"] == max(range(K + 1), key=gain)
+  assert again.run()[rid] == _alone((1, 2, 3))[:20]
 
 
 def test_draft_policy_tries_each_width_then_picks_the_most_tokens_per_second():
@@ -288,6 +316,12 @@ class TestErrors:
     relaxed = Engine(TARGET5, PROPOSER5, **SETTINGS, relaxed=(2, 0.1))
     with pytest.raises(ValueError, match="temperature is engine-wide on a tree or relaxed engine"):
       relaxed.add_request([1], 3, temperature=0.5)
+    with pytest.raises(ValueError, match=r"draft_policy serves num_drafts=\"auto\" with a proposer of K=3 drafts"):
+      Engine(TARGET5, PROPOSER5, **dict(SETTINGS, draft_policy=DraftPolicy(K)))  # SETTINGS: num_drafts=K
+    with pytest.raises(ValueError, match="got max_drafts=2"):
+      Engine(TARGET5, PROPOSER5, **dict(SETTINGS, num_drafts="auto", draft_policy=DraftPolicy(2)))
+    with pytest.raises(TypeError, match="draft_policy must be a mtp_jax.serving.DraftPolicy, got dict"):
+      Engine(TARGET5, PROPOSER5, **dict(SETTINGS, num_drafts="auto", draft_policy={}))
     with pytest.raises(ValueError, match='num_drafts="auto" needs an engine with a proposer'):
       Engine(TARGET5, None, max_len=64, page_size=2).add_request([1], 3, num_drafts="auto")
     assert engine.num_waiting == relaxed.num_waiting == 0

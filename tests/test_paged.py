@@ -102,6 +102,12 @@ def test_allocator_refuses_writes_past_its_pages_and_touches_no_other_slot():
   np.testing.assert_array_equal(np.asarray(pages.oom), [False, True])
   np.testing.assert_array_equal(np.asarray(pages.used), [2, 1])
   assert int(pages.num_free) == 2
+  # Under a span of 2 pages per slot (what a dense-view call reads), a slot's 3rd page is refused.
+  pages = Pages.create(2, 32, 8, 5).with_budget(5, span=2)
+  assert int(pages.span_after(jnp.array([24, 8]))) == 3
+  pages = pages.ensure(jnp.array([24, 8]))
+  np.testing.assert_array_equal(np.asarray(pages.oom), [True, False])
+  np.testing.assert_array_equal(np.asarray(pages.used), [0, 1])
 
 
 def test_generate_paged_equals_contiguous_and_stops_sequences_out_of_pages():
@@ -147,11 +153,20 @@ def test_attend_over_the_pages_in_use_equals_the_dense_view(window, sinks, dv):
     ok = valid[:, :, None, None, None]  # invalid queries' outputs are never used
     np.testing.assert_allclose(np.where(ok, got, 0), np.where(ok, np.asarray(want), 0), rtol=1e-5, atol=1e-6)
     assert np.isfinite(got).all()
+  for span in (3, 4):  # the dense view of the first span columns (slot 2 holds 3 pages)
+    _, got = cache.bound(pages.with_budget(9, span)).attend(q, kv[0], kv[1], rows, valid, window=window,
+                                                            sinks_KxG=sinks_KxG)
+    got = np.asarray(got)
+    np.testing.assert_allclose(np.where(ok, got, 0), np.where(ok, np.asarray(want), 0), rtol=1e-5, atol=1e-6)
+    assert np.isfinite(np.where(ok, got, 0)).all()
 
 
 def test_budget_buckets():
   assert [budget_bucket(n, 1000) for n in (0, 16, 17, 25, 33, 49, 65, 97)] == [16, 16, 24, 32, 48, 64, 96, 128]
   assert budget_bucket(200, 150) == 150 and budget_bucket(3, 10) == 10
+  assert [budget_bucket(n, 100, minimum=2) for n in (0, 3, 5, 7, 9, 13)] == [2, 3, 6, 8, 12, 16]
+  with pytest.raises(ValueError, match="minimum must be a power of two"):
+    budget_bucket(3, 10, minimum=3)
 
 
 def test_generate_paged_with_very_mixed_lengths_raises_its_budget_mid_run(monkeypatch):

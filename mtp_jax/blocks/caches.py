@@ -97,9 +97,15 @@ class CachedState:
     """int32[]: pages held in all after a call adding num_new_B (int32[B]) rows per slot (0 when contiguous)."""
     return self.caches.pages_after(self.rows_held + num_new_B)
 
-  def with_page_budget(self, budget: int | None):
-    """This state whose calls read `budget` pages (unchanged when contiguous or budget is None)."""
-    return self.set(caches=self.caches.with_budget(budget))
+  def span_needed(self, num_new_B) -> jax.Array:
+    """int32[]: the most pages one slot holds after a call adding num_new_B (int32[B]) rows per slot
+    (0 when contiguous): the page span it needs."""
+    return self.caches.span_after(self.rows_held + num_new_B)
+
+  def with_page_budget(self, budget: int | None, span: int | None = None):
+    """This state whose calls read `budget` pages, or the first span columns of each slot's table
+    (`Pages.with_budget`; unchanged when contiguous or budget is None)."""
+    return self.set(caches=self.caches.with_budget(budget, span))
 
   def with_page_table(self, table):
     """External paging (`pages=Pages.external(..)` at init): this state reading and writing
@@ -167,9 +173,16 @@ class LayerCaches:
     """int32[]: pages held in all once each slot holds rows 0..num_rows_B[b]-1 (0 when contiguous)."""
     return jnp.zeros((), jnp.int32) if self.pages is None else self.pages.pages_after(num_rows_B)
 
-  def with_budget(self, budget: int | None) -> "LayerCaches":
-    """These caches whose calls read `budget` pages (unchanged when contiguous or budget is None)."""
-    return self if self.pages is None or budget is None else self.set(pages=self.pages.with_budget(budget))
+  def span_after(self, num_rows_B) -> jax.Array:
+    """int32[]: the most pages one slot holds once each holds rows 0..num_rows_B[b]-1 (0 when contiguous)."""
+    return jnp.zeros((), jnp.int32) if self.pages is None else self.pages.span_after(num_rows_B)
+
+  def with_budget(self, budget: int | None, span: int | None = None) -> "LayerCaches":
+    """These caches whose calls read `budget` pages, or span columns per slot (`Pages.with_budget`;
+    unchanged when contiguous or budget is None)."""
+    if self.pages is None or budget is None:
+      return self
+    return self.set(pages=self.pages.with_budget(budget, span))
 
   def with_page_table(self, table) -> "LayerCaches":
     """External paging: these caches reading and writing through the caller's table int32[B, max_pages]."""

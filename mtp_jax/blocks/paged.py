@@ -23,6 +23,10 @@ owner's queries, with the softmax taken across one owner's pages by segment max 
 budget is static (one compile per value): the host picks it with `budget_bucket` from the
 pages the next call can hold (`Pages.pages_after`), so the rows read per step follow the rows
 in use, not B x max_len. MLA and draft-tree calls read the table's dense view (`update`).
+With a `span` (`Pages.with_budget(budget, span)`), every call reads the dense view of the first
+span columns instead: B x span pages, each slot's rows as one block, which for a few query rows
+per slot (a decode step) runs faster on XLA:CPU than the page list's per-page products; the
+Engine's decode steps read so, its prefills the page list.
 """
 
 from __future__ import annotations
@@ -58,11 +62,14 @@ def _exclusive_cumsum(x_B):
 MIN_BUDGET = 16  # the smallest page budget: tiny calls share one compile
 
 
-def budget_bucket(pages_needed: int, num_pages: int) -> int:
-  """The page budget for calls that hold at most pages_needed pages: the next of 16, 24, 32, 48,
-  64, 96, .. (powers of two and 1.5 times them: at most 1.5x the pages in use, two compiles per
-  doubling), never above num_pages (which always suffices)."""
-  budget = MIN_BUDGET
+def budget_bucket(pages_needed: int, num_pages: int, minimum: int = MIN_BUDGET) -> int:
+  """The page budget for calls that hold at most pages_needed pages: the next of minimum (a power
+  of two >= 2; 16 by default), then 1.5 and 2 times each power of two (16, 24, 32, 48, 64, ..: at
+  most 1.5x the pages in use, two compiles per doubling), never above num_pages (which always
+  suffices). A call over a few slots (a prefill) takes a smaller minimum: it reads only its pages."""
+  if minimum < 2 or minimum & (minimum - 1):
+    raise validate.InvalidValue("minimum", f"minimum must be a power of two >= 2, got {minimum!r}")
+  budget = minimum
   while budget < pages_needed:
     budget = budget * 3 // 2 if budget & (budget - 1) == 0 else budget * 4 // 3
   return min(budget, num_pages)
@@ -80,6 +87,10 @@ class Pages:
   budget: static int, the pages attention reads per call (see `attend`); it must be at least
     the pages held during the call: num_pages (the default) always is; the serving loops pick
     a smaller one per call (`with_budget`, `pages_after`, `budget_bucket`).
+  span: static int or None: when set, calls read the first `span` columns of the table of every
+    slot instead (B x span pages, each slot's as one dense block, as contiguous caches are read),
+    and no slot may hold more than span pages (`span_after`); None (the default) reads the
+    page list of `budget` pages. Few query rows per slot (decode steps) run faster dense.
   is_external: static bool, the table belongs to the caller (`Pages.external`): nothing is allocated
     or freed here, `used` is the pages the last `ensure` found covering the slot's rows.
   """
@@ -92,6 +103,7 @@ class Pages:
   page_size: int = dataclasses.field(metadata=dict(static=True))
   budget: int = dataclasses.field(metadata=dict(static=True))
   is_external: bool = dataclasses.field(default=False, metadata=dict(static=True))
+  span: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @classmethod
   def create(cls, batch_size: int, max_len: int, page_size: int, num_pages: int) -> "Pages":
@@ -129,9 +141,11 @@ class Pages:
   def max_len(self) -> int:
     return self.table.shape[1] * self.page_size
 
-  def with_budget(self, budget: int) -> "Pages":
-    """The same allocator whose calls read `budget` pages (1..num_pages; a new static value compiles anew)."""
-    return dataclasses.replace(self, budget=validate.integer("budget", budget, 1, self.num_pages))
+  def with_budget(self, budget: int, span: int | None = None) -> "Pages":
+    """The same allocator whose calls read `budget` pages (1..num_pages), or with span
+    (1..max_pages) the first span columns of every slot (a new static value compiles anew)."""
+    span = None if span is None else validate.integer("span", span, 1, self.table.shape[1])
+    return dataclasses.replace(self, budget=validate.integer("budget", budget, 1, self.num_pages), span=span)
 
   def with_table(self, table) -> "Pages":
     """An external allocator with the caller's new table int32[B, max_pages] (same shape)."""
@@ -151,31 +165,40 @@ class Pages:
     writes those rows holds (slots refused pages hold fewer)."""
     return jnp.minimum(jnp.sum(jnp.maximum(self._pages_for(num_rows_B), self.used)), self.num_pages)
 
+  def span_after(self, num_rows_B) -> jax.Array:
+    """int32[]: the most pages one slot holds once each slot holds rows 0..num_rows_B[b]-1
+    (int32[B]): the span a call that writes those rows needs."""
+    return jnp.max(jnp.maximum(self._pages_for(num_rows_B), self.used))
+
   def ensure(self, num_rows_B) -> "Pages":
     """Gives each slot the pages for rows 0..num_rows_B[b]-1 (int32[B]).
 
     Slots are served in order while pages last and the pages held stay within the budget (the
-    calls read only `budget` pages); a slot that does not fit gets nothing and is flagged in oom
-    (the ones after it may still fit). External: a slot is served when the caller's table
-    covers its rows (and the budget holds them); it then reads exactly those pages.
+    calls read only `budget` pages) and, with a span, each slot's within it; a slot that does
+    not fit gets nothing and is flagged in oom (the ones after it may still fit). External: a
+    slot is served when the caller's table covers its rows (and the budget holds them); it then
+    reads exactly those pages.
     """
     max_pages = self.table.shape[1]
     want_B = self._pages_for(num_rows_B)
     # Greedy in slot order: slot b is served if everything asked before it that was served,
     # plus its own need, fits. A scan keeps "served before" exact (a cumsum would count refused slots).
-    def serve(left, need):
-      ok = need <= left
+    def serve(left, x):
+      need, in_span = x
+      ok = (need <= left) & in_span
       return left - jnp.where(ok, need, 0), ok
     p_BxP = jnp.arange(max_pages, dtype=jnp.int32)[None]
+    # With a span, a slot's pages past it would not be read: such a slot is refused instead.
+    in_span_B = jnp.ones_like(self.oom) if self.span is None else jnp.maximum(want_B, self.used) <= self.span
     if self.is_external:
       held_BxP = (self.table >= 0) & (self.table < self.num_pages)
       covered_B = jnp.all(held_BxP | (p_BxP >= want_B[:, None]), axis=1)
-      _, fits_B = jax.lax.scan(serve, jnp.asarray(self.budget, jnp.int32), jnp.where(covered_B, want_B, 0))
+      _, fits_B = jax.lax.scan(serve, jnp.asarray(self.budget, jnp.int32), (jnp.where(covered_B, want_B, 0), in_span_B))
       ok_B = covered_B & fits_B
       return dataclasses.replace(self, used=jnp.where(ok_B, want_B, 0), oom=self.oom | ~ok_B)
     need_B = jnp.maximum(want_B - self.used, 0)
     room = jnp.minimum(self.num_free, self.budget - jnp.sum(self.used))
-    _, ok_B = jax.lax.scan(serve, room, need_B)
+    _, ok_B = jax.lax.scan(serve, room, (need_B, in_span_B))
     got_B = jnp.where(ok_B, need_B, 0)
     new_BxP = (p_BxP >= self.used[:, None]) & (p_BxP < (self.used + got_B)[:, None])
     k_BxP = _exclusive_cumsum(got_B)[:, None] + p_BxP - self.used[:, None]  # k-th page popped
@@ -211,7 +234,8 @@ class Pages:
 class PagedRows(LayerCache):
   """What the paged caches share (a mixin): their pools, named in POOLS, each
   dtype[num_pages, page_size, ...], and while bound for a call (`bound`), the model's page table
-  int32[B, max_pages] (`table`), pages held int32[B] (`used`) and page budget (None in a stored state)."""
+  int32[B, max_pages] (`table`), pages held int32[B] (`used`), page budget and span (None in a
+  stored state)."""
 
   POOLS = ()
 
@@ -234,10 +258,10 @@ class PagedRows(LayerCache):
     return self.max_pages * self.page_size
 
   def bound(self, pages: Pages | None):
-    """This cache with pages' table, held pages and budget for a call (None: stored, unbound)."""
+    """This cache with pages' table, held pages, budget and span for a call (None: stored, unbound)."""
     if pages is None:
-      return dataclasses.replace(self, table=None, used=None, budget=None)
-    return dataclasses.replace(self, table=pages.table, used=pages.used, budget=pages.budget)
+      return dataclasses.replace(self, table=None, used=None, budget=None, span=None)
+    return dataclasses.replace(self, table=pages.table, used=pages.used, budget=pages.budget, span=pages.span)
 
   def _addresses(self, rows_BxT, valid_BxT):
     """(page int32[B, T], offset int32[B, T]) of each row; page num_pages (dropped) where invalid
@@ -258,18 +282,20 @@ class PagedRows(LayerCache):
                            for pool, x in zip(self.pools(), entries))
 
   def update(self, rows_BxT, valid_BxT, *entries):
-    """The cache contract of cache.py: `write`, then every column of the table as a dense view.
+    """The cache contract of cache.py: `write`, then the table's first `span` columns (all of them
+    without a span) as a dense view.
 
     Returns (new cache, one dtype[B, L, ...] view per pool, gathered through the table,
-    int32[B, L]): keys of pages the slot does not hold carry NO_ROW. Reads B x max_len rows
-    (GQA sequence calls use `PagedKVCache.attend`, which reads only the pages in use).
+    int32[B, L]), L = span x page_size: keys of pages the slot does not hold carry NO_ROW. Reads
+    B x L rows (GQA sequence calls without a span use `PagedKVCache.attend`'s page list).
     """
     new = self.write(rows_BxT, valid_BxT, *entries)
-    b, max_pages = self.table.shape
-    held_BxP = (self.table >= 0) & (self.table < self.num_pages)
-    gather = lambda pool: jnp.take(pool, jnp.where(held_BxP, self.table, 0), axis=0).reshape(
-        b, max_pages * self.page_size, *pool.shape[2:])
-    rows_BxL = jnp.broadcast_to(jnp.arange(self.max_len, dtype=jnp.int32), (b, self.max_len))
+    table = self.table if self.span is None else self.table[:, :self.span]
+    b, cols = table.shape
+    held_BxP = (table >= 0) & (table < self.num_pages)
+    gather = lambda pool: jnp.take(pool, jnp.where(held_BxP, table, 0), axis=0).reshape(
+        b, cols * self.page_size, *pool.shape[2:])
+    rows_BxL = jnp.broadcast_to(jnp.arange(cols * self.page_size, dtype=jnp.int32), (b, cols * self.page_size))
     held_BxL = jnp.repeat(held_BxP, self.page_size, axis=1)
     return new, tuple(gather(pool) for pool in new.pools()), jnp.where(held_BxL, rows_BxL, NO_ROW)
 
@@ -300,6 +326,7 @@ class PagedKVCache(PagedRows):
   max_pages: int = dataclasses.field(metadata=dict(static=True))
   used: jax.Array | None = None
   budget: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+  span: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @classmethod
   def zeros(cls, cfg: BlockConfig, pages: Pages, dtype=None) -> "PagedKVCache":
@@ -325,8 +352,8 @@ class PagedKVCache(PagedRows):
   def attend(self, q_BxTxKxGxDh, k_BxTxKxDh, v_BxTxKxDh, rows_BxT, valid_BxT, *, window: int | None = None,
              sinks_KxG: jax.Array | None = None, tree: TreeRows | None = None):
     """`LayerCache.attend` that, for sequence calls, reads only the pages in use: writes k, v
-    dtype[B, T, Hkv, Dh | Dv]; returns (new cache, float32[B, T, Hkv, G, Dv]). Tree calls read the
-    dense view (`update`).
+    dtype[B, T, Hkv, Dh | Dv]; returns (new cache, float32[B, T, Hkv, G, Dv]). Tree calls and
+    calls with a span read the dense view (`update`).
 
     The same softmax as the dense one over a slot's rows (a query at row r sees keys at rows
     r - window < row <= r), taken across the slot's pages: max and sum per page, then per owner
@@ -334,7 +361,7 @@ class PagedKVCache(PagedRows):
     entries) are selected away from v, so NaN left in them cannot leak.
     Reads `budget` pages, however long the table.
     """
-    if tree is not None:
+    if tree is not None or self.span is not None:
       return super().attend(q_BxTxKxGxDh, k_BxTxKxDh, v_BxTxKxDh, rows_BxT, valid_BxT, window=window,
                             sinks_KxG=sinks_KxG, tree=tree)
     new = self.write(rows_BxT, valid_BxT, k_BxTxKxDh, v_BxTxKxDh)
@@ -398,6 +425,7 @@ class PagedMlaCache(PagedRows):
   max_pages: int = dataclasses.field(metadata=dict(static=True))
   used: jax.Array | None = None
   budget: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+  span: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
   @classmethod
   def zeros(cls, cfg: BlockConfig, pages: Pages, dtype=None) -> "PagedMlaCache":

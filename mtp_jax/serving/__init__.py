@@ -12,9 +12,9 @@ from mtp_jax.serving.step import (DecodeStep, Drafter, LoopState, Verdict, jit_p
                                   pick_verifier)
 from mtp_jax.serving import generate as generate_lib
 from mtp_jax.serving.generate import GenerateOutput, generate
-from mtp_jax.serving.engine import Engine, QueueFull, Request
+from mtp_jax.serving.engine import DraftPolicy, Engine, QueueFull, Request
 from mtp_jax.serving.metrics import prometheus_text
 
 __all__ = ["Paging", "Relaxed", "Sampling", "StepSettings", "DecodeStep", "Drafter", "LoopState", "Verdict",
            "jit_prefill", "jit_run", "jit_step", "pick_verifier", "generate_lib", "GenerateOutput", "generate",
-           "Engine", "QueueFull", "Request", "prometheus_text"]
+           "DraftPolicy", "Engine", "QueueFull", "Request", "prometheus_text"]

@@ -43,11 +43,12 @@ from mtp_jax.blocks.paged import budget_bucket
 from mtp_jax.mtp import MtpModel
 from mtp_jax.serving import options
 from mtp_jax.serving.metrics import Samples
-from mtp_jax.serving.generate import padded_prompts
+from mtp_jax.serving.generate import MIN_CAPACITY, padded_prompts
 from mtp_jax.serving.options import Paging, StepSettings
 from mtp_jax.sampling import RowSampling
-from mtp_jax.serving.step import (EOS_PER_SLOT, DecodeStep, SlotSettings, jit_free, jit_pages_needed,
-                                  jit_prefill_part, jit_prefill_slots, jit_run_for)
+from mtp_jax.serving.step import (EOS_PER_SLOT, DecodeStep, SlotSettings, jit_free, jit_pages_needed_on,
+                                  jit_prefill_part, jit_prefill_slots, jit_run_for, jit_run_for_slots,
+                                  jit_span_needed)
 from mtp_jax.target import TargetModel
 from mtp_jax.tree import TreeSpec
 
@@ -164,6 +165,10 @@ class Engine:
       prompt is written in parts of prefill_chunk tokens, one part per `step()` (only its slot
       computed), between the running requests' decode steps, so it does not stall them for its
       whole prefill; it starts decoding with its last part.
+    draft_policy: the `DraftPolicy` of num_drafts="auto" (default a new one). Its step times
+      belong to the models, batch size and machine, not to one engine: an engine built again on
+      the same ones (a server restarting its engine, a benchmark's second pass) can take the
+      first one's and skip measuring every width anew.
   """
 
   def __init__(self, target: TargetModel, proposer: MtpModel | None, *, max_batch: int = 8,
@@ -172,7 +177,8 @@ class Engine:
                top_p: float | None = None, eos_token_id: int | None = None, seed: int = 0,
                grammar: grammar_lib.Grammar | None = None, relaxed: tuple[int, float] | None = None,
                tree: TreeSpec | None = None, mesh: jax.sharding.Mesh | None = None,
-               max_waiting: int | None = None, steps_per_call: int = 4, prefill_chunk: int | None = None):
+               max_waiting: int | None = None, steps_per_call: int = 4, prefill_chunk: int | None = None,
+               draft_policy: DraftPolicy | None = None):
     self.per_slot = tree is None and relaxed is None
     auto = proposer is not None and self.per_slot and (num_drafts is None or num_drafts == "auto")
     if num_drafts == "auto" and not auto:
@@ -192,40 +198,45 @@ class Engine:
     self.num_drafts = "auto" if auto else (0 if num_drafts == 0 else d.num_drafts)  # the requests' default
     self.defaults = d
     self.max_len, self.page_size, self.num_pages = max_len, page_size, num_pages
-    self.policy = DraftPolicy(self.max_drafts) if auto else None
-    self._step = DecodeStep(StepSettings(
+    if draft_policy is not None:
+      validate.instance("draft_policy", draft_policy, DraftPolicy, "a mtp_jax.serving.DraftPolicy")
+      if not auto or draft_policy.max_drafts != self.max_drafts:
+        raise validate.InvalidValue("draft_policy", f'draft_policy serves num_drafts="auto" with a proposer of '
+                                                    f"K={self.max_drafts} drafts, got max_drafts="
+                                                    f"{draft_policy.max_drafts} (num_drafts={num_drafts!r})")
+    self.policy = (draft_policy or DraftPolicy(self.max_drafts)) if auto else None
+    # The state keeps this step's paging (every page allowed, the page list); each call reads the
+    # budget or span of its own step, applied inside the jitted call, so the state's static fields
+    # never change and each function compiles once per step, not once per state layout too.
+    self._base = DecodeStep(StepSettings(
         num_drafts=d.num_drafts, max_new_tokens=max_len, max_len=max_len, sampling=d.sampling,
         eos_token_id=d.eos_token_id, relaxed=d.relaxed, tree=tree, mesh=mesh, per_slot=self.per_slot,
-        paging=Paging(page_size, num_pages, budget_bucket(0, num_pages))))
+        paging=Paging(page_size, num_pages, num_pages)))
+    self._step = self._base  # the decode step: its verify width and page span follow the load
     self.grammar = grammar
     self._grammar_eos = None if grammar is None else grammar.eos_token_id  # every grammar of the engine ends so
     self._grammars: list[grammar_lib.Grammar] = []  # the grammars in the union, in its order
     self._union, self._offsets = None, []
     self._key = jax.random.key(d.seed)  # requests' default keys fold their ids into it
-    self._s = self._step.init(target, proposer, None, max_batch, jax.random.key(d.seed))  # donated: its own buffer
+    self._s = self._base.init(target, proposer, None, max_batch, jax.random.key(d.seed))  # donated: its own buffer
     self._slots: list[int | None] = [None] * max_batch
     self._waiting: collections.deque[int] = collections.deque()
     self._parts: collections.deque[int] = collections.deque()  # running requests whose prompt is written in parts
     self._reserved = 0
-    self._next_pages = None  # pages the next step needs, read with the last step's outputs
+    self._next_span = None  # the page span the next call needs, read with the last call's outputs
     self._ids = itertools.count()
     self.requests: dict[int, Request] = {}
     self._ttft, self._itl = Samples(), Samples()
     self._steps, self._step_seconds, self._verify_steps = 0, 0.0, 0
     self._accepted_at = np.zeros((self.max_drafts,), np.int64)
     self._proposed_at = np.zeros((self.max_drafts,), np.int64)
-    self._compiled: set = set()  # step settings that ran once (the next call of each is a timing sample)
+    self._compiled: set = set()  # (step, slots) that ran once (the next call of each is a timing sample)
 
   @property
-  def _any_width(self) -> DecodeStep:
-    """The step without its verify width: what the prefill, page counts and frees are compiled
-    for (they do not depend on the width, so "auto" does not compile them once per width)."""
-    return self._step.replace(verify_drafts=None)
-
-  @property
-  def page_budget(self) -> int:
-    """The pages attention reads in the next call (follows the pages in flight)."""
-    return self._step.settings.paging.budget
+  def page_span(self) -> int:
+    """Pages per slot the last decode call read (the most a slot held: follows the rows in flight)."""
+    span = self._step.settings.paging.span
+    return self.max_len // self.page_size if span is None else span
 
   # -- requests --
 
@@ -392,15 +403,20 @@ class Engine:
       return {}
     n = 1 if self._waiting and None in self._slots else self.steps_per_call
     self._set_width()
-    self._rebudget(self._step.rows_next(self._s) * self.steps_per_call, self._next_pages)
+    self._respan(self._step.rows_next(self._s) * self.steps_per_call, self._next_span)
     step, running, t1 = self._step, self.num_running, time.perf_counter()
-    self._s = jit_run_for(step, self.target, self.proposer, self._union, self._s, np.int32(n))
+    decoding = [slot for slot, rid in enumerate(self._slots) if rid is not None and rid not in self._parts]
+    idx_A = self._slot_group(decoding)
+    if len(idx_A) == len(self._slots):
+      self._s = jit_run_for(step, self.target, self.proposer, self._union, self._s, np.int32(n))
+    else:
+      self._s = jit_run_for_slots(step, self.target, self.proposer, self._union, self._s, idx_A, np.int32(n))
     gained, steps = self._collect()
     now = time.perf_counter()
     if self.policy is not None and steps:
-      if step in self._compiled:  # else the call compiled: not a sample of the step's time
+      if (step, len(idx_A)) in self._compiled:  # else the call compiled: not a sample of the step's time
         self.policy.record(step.settings.verify_width, running, (now - t1) / steps)
-      self._compiled.add(step)
+      self._compiled.add((step, len(idx_A)))
     self._steps += 1
     self._step_seconds += now - t0
     return gained
@@ -416,7 +432,7 @@ class Engine:
       k = max(k, self.policy.choose(len(running), self._accepted_at, self._proposed_at))
     if k != self._step.settings.verify_width:
       self._step = self._step.replace(verify_drafts=None if k == self.max_drafts else k)
-      self._next_pages = None  # read for the old width's rows
+      self._next_span = None  # read for the old width's rows
 
   def _expire(self, now: float) -> None:
     # Only live requests: the finished ones stay in `requests` and would make every step O(all ever).
@@ -465,30 +481,23 @@ class Engine:
 
   def _prefill_part(self, req: Request) -> None:
     """Writes the next prefill_chunk tokens of req's prompt into its slot (not its last part)."""
-    self._next_pages = None  # the part takes pages
+    self._next_span = None  # the part takes pages
     c, done = self.prefill_chunk, req.prefilled
     prompt_1xT, len_1 = padded_prompts([req.prompt[done:done + c]], 1, [0])
     next_1xT, _ = padded_prompts([req.prompt[done + 1:done + c + 1]], 1, [0])
-    lens_B = np.zeros((len(self._slots),), np.int32)
-    lens_B[req.slot] = c
-    self._rebudget(lens_B)
-    self._s = jit_prefill_part(self._any_width, self.target, self.proposer, self._union, self._s,
-                               np.asarray([req.slot], np.int32), prompt_1xT, len_1, next_1xT)
+    slot_1 = np.asarray([req.slot], np.int32)
+    self._s = jit_prefill_part(self._budget_for(slot_1, len_1), self.target, self.proposer, self._union, self._s,
+                               slot_1, prompt_1xT, len_1, next_1xT)
     req.prefilled += c
 
   def _prefill(self, admitted: list[Request]) -> None:
     """Prefills the (rest of the) prompts of admitted requests and starts their decoding."""
-    self._next_pages = None  # the prefill takes pages
+    self._next_span = None  # the prefill takes pages
     self._use_grammars([r.grammar for r in admitted if r.grammar is not None])
-    b, n = len(self._slots), len(admitted)
+    n = len(admitted)
     prompts = [r.prompt[r.prefilled:] for r in admitted]
-    _, lens_B = padded_prompts(prompts, b, [r.slot for r in admitted])
-    self._rebudget(lens_B)
-    # The prefill runs over the admitted slots only, padded with others (untouched) to a power of
-    # two: one compile per (count, prompt length) bucket. On a mesh, over all (A must divide it).
-    a = b if self._step.settings.mesh is not None else min(b, 1 << (n - 1).bit_length())
-    taken = {r.slot for r in admitted}
-    idx_A = np.asarray([r.slot for r in admitted] + [i for i in range(b) if i not in taken][:a - n], np.int32)
+    idx_A = self._slot_group([r.slot for r in admitted])
+    a = len(idx_A)
     prompts_AxT, lens_A = padded_prompts(prompts, a, range(n))
     admit_A, max_new_A = np.arange(a) < n, np.zeros((a,), np.int32)
     gstart_A = np.full((a,), grammar_lib.FREE, np.int32)
@@ -496,9 +505,24 @@ class Engine:
       max_new_A[i] = r.max_new_tokens
       if r.grammar is not None:
         gstart_A[i] = self._offsets[self._grammar_index(r.grammar)] + grammar_lib.START
-    self._s = jit_prefill_slots(self._any_width, self.target, self.proposer, self._union, self._s, idx_A, prompts_AxT,
-                                lens_A, admit_A, gstart_A, max_new_A,
+    self._s = jit_prefill_slots(self._budget_for(idx_A, lens_A), self.target, self.proposer, self._union, self._s,
+                                idx_A, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A,
                                 self._slot_settings(admitted, a) if self.per_slot else None)
+
+  def _slot_group(self, slots: list[int]) -> np.ndarray:
+    """int32[A]: slots, then others (free ones first, untouched by the call) up to a power of two
+    A: a call over a group compiles once per A. On a mesh, every slot (A must divide the data axis)."""
+    b = len(self._slots)
+    a = b if self._step.settings.mesh is not None else min(b, 1 << (len(slots) - 1).bit_length())
+    rest = sorted(set(range(b)) - set(slots), key=lambda i: self._slots[i] is not None)
+    return np.asarray(list(slots) + rest[:a - len(slots)], np.int32)
+
+  def _budget_for(self, idx_A, num_new_A) -> DecodeStep:
+    """The width-free step for a call adding num_new_A rows to the slots idx_A: it reads their pages
+    only (a prefill of one prompt reads that prompt's pages, not every running request's)."""
+    need = int(jit_pages_needed_on(self._base, self.target, self.proposer, self._union, self._s, idx_A,
+                                   np.asarray(num_new_A, np.int32)))
+    return DecodeStep(self._base.settings.with_budget(budget_bucket(need, self.num_pages, minimum=4)))
 
   def _slot_settings(self, admitted: list[Request], a: int) -> SlotSettings:
     """The admitted requests' settings, in rows 0..len(admitted)-1 of a (the other rows are not
@@ -545,25 +569,27 @@ class Engine:
     self._s = self._s.set(grammar_state=gstate_B)
     self._union, self._offsets, self._grammars = union, offsets, keep
 
-  def _rebudget(self, num_new_B, pages_needed: int | None = None) -> None:
-    """Sets the page budget of the next call, which adds at most num_new_B rows (int32[B]) per slot: it
-    follows the pages in flight up and down (one compile per budget, reused when it comes back).
-    pages_needed: the pages that call needs when the host already has them (else read here)."""
-    if pages_needed is None:
-      pages_needed = int(jit_pages_needed(self._any_width, self._s, num_new_B))
-    budget = budget_bucket(pages_needed, self.num_pages)
-    if budget != self.page_budget:
-      self._step = DecodeStep(self._step.settings.with_budget(budget))
-      self._s = self._step.placed(self._s)
+  def _respan(self, num_new_B, span_needed: int | None = None) -> None:
+    """Sets the page span of the next decode call, which adds at most num_new_B rows (int32[B]) per
+    slot: it follows the longest slot's pages up and down (one compile per span, reused when it
+    comes back). span_needed: that call's need when the host already has it (else read here)."""
+    if span_needed is None:
+      span_needed = int(jit_span_needed(self._base, self._s, num_new_B))
+    # At least MIN_CAPACITY rows, as generate's caches start: short requests share one compile,
+    # and a request does not meet a new span (a compile, seconds) every few pages it grows.
+    first = 1 << max(1, (-(-MIN_CAPACITY // self.page_size) - 1).bit_length())
+    span = budget_bucket(span_needed, self.max_len // self.page_size, minimum=first)
+    if span != self._step.settings.paging.span:
+      self._step = DecodeStep(self._step.settings.with_budget(self.num_pages, span))
 
   def _collect(self) -> tuple[dict[int, list[int]], int]:
     """(the tokens each running request gained, decode steps the last call ran)."""
     s = self._s
     # The next step's page need comes in the same read: freeing slots only lowers it.
-    num_out, out, done, oom, verify_calls, accepted_at, proposed_at, self._next_pages = jax.device_get(
+    num_out, out, done, oom, verify_calls, accepted_at, proposed_at, self._next_span = jax.device_get(
         (s.num_out, s.out, s.done, s.out_of_pages, s.verify_calls, s.accepted_at, s.proposed_at,
-         jit_pages_needed(self._any_width, s, self._step.rows_next(s) * self.steps_per_call)))
-    self._next_pages = int(self._next_pages)
+         jit_span_needed(self._base, s, self._step.rows_next(s) * self.steps_per_call)))
+    self._next_span = int(self._next_span)
     self._accepted_at, self._proposed_at = accepted_at.astype(np.int64), proposed_at.astype(np.int64)
     now = time.perf_counter()
     gained, finished, steps = {}, [], 0
@@ -595,7 +621,7 @@ class Engine:
   def _release(self, slots: list[int]) -> None:
     mask_B = np.zeros((len(self._slots),), bool)
     mask_B[slots] = True
-    self._s = jit_free(self._any_width, self._s, mask_B)
+    self._s = jit_free(self._base, self._s, mask_B)
     for slot in slots:
       if self._slots[slot] in self._parts:
         self._parts.remove(self._slots[slot])

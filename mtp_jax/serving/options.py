@@ -53,11 +53,13 @@ class Relaxed:
 @dataclasses.dataclass(frozen=True)
 class Paging:
   """Paged caches: num_pages pages of page_size rows per layer; attention reads `budget` pages
-  per call (blocks/paged.py), raised or lowered by the host between jitted calls."""
+  per call, or with a `span` the first span pages of every slot (blocks/paged.py), raised or
+  lowered by the host between jitted calls."""
 
   page_size: int
   num_pages: int
   budget: int
+  span: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +110,8 @@ class StepSettings:
     """Target rows a decode step writes per sequence: [last, d_1..d_k], or the root and the tree's N nodes."""
     return (self.verify_width if self.tree is None else self.tree.num_nodes) + 1
 
-  def with_budget(self, budget: int) -> "StepSettings":
-    return dataclasses.replace(self, paging=dataclasses.replace(self.paging, budget=budget))
+  def with_budget(self, budget: int, span: int | None = None) -> "StepSettings":
+    return dataclasses.replace(self, paging=dataclasses.replace(self.paging, budget=budget, span=span))
 
 
 @dataclasses.dataclass(frozen=True)

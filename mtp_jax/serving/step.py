@@ -25,7 +25,8 @@ slots pass through untouched. The Engine admits through `prefill_slots` (the adm
 are computed) and writes long prompts in parts with `prefill_part`. With `StepSettings.per_slot`
 each slot carries its own sampling, key, draft cap and end tokens (`SlotSettings`). `generate`
 and the Engine are drivers over these functions (`jit_prefill`, `jit_prefill_slots`,
-`jit_prefill_part`, `jit_step`, `jit_run`, `jit_run_for`).
+`jit_prefill_part`, `jit_step`, `jit_run`, `jit_run_for`, `jit_run_for_slots`). A call over some
+slots reads a page budget sized for theirs (`pages_needed_on`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,8 @@ from mtp_jax import grammar as grammar_lib
 from mtp_jax import proposer as prop
 from mtp_jax import sharding
 from mtp_jax.sampling import RowSampling, row_sample, sample
-from mtp_jax.serving.options import Sampling, StepSettings
+from mtp_jax.blocks import Pages
+from mtp_jax.serving.options import Paging, Sampling, StepSettings
 from mtp_jax.target import TargetState, compact_target, init_target_state, reset_target_slots, target_step, trim_target
 from mtp_jax.tree import TreeSpec, node_states
 from mtp_jax.verify import (verify_greedy, verify_relaxed, verify_rows, verify_sampling, verify_tree_greedy,
@@ -329,9 +331,8 @@ class DecodeStep:
   def placed(self, s: LoopState) -> LoopState:
     """s with its states' page budgets and, on a mesh, their shardings as the settings say."""
     st = self.settings
-    budget = None if st.paging is None else st.paging.budget
-    tstate, pstate = s.target.with_page_budget(budget), s.proposer
-    pstate = None if pstate is None else pstate.with_page_budget(budget)
+    s = self._budgeted(s, st.paging)
+    tstate, pstate = s.target, s.proposer
     if st.mesh is not None:
       tstate = sharding.shard_state(tstate, st.mesh)
       pstate = None if pstate is None else sharding.shard_state(pstate, st.mesh)
@@ -359,6 +360,12 @@ class DecodeStep:
     need = s.target.pages_needed(num_new_B)
     return need if s.proposer is None else jnp.maximum(need, s.proposer.pages_needed(num_new_B))
 
+  def span_needed(self, s: LoopState, num_new_B) -> jax.Array:
+    """int32[]: the most pages one slot holds, in either pool, after a call adding num_new_B
+    (int32[B]) rows per slot: the page span it needs."""
+    need = s.target.span_needed(num_new_B)
+    return need if s.proposer is None else jnp.maximum(need, s.proposer.span_needed(num_new_B))
+
   def fits(self, s: LoopState) -> jax.Array:
     """bool[]: every unfinished slot has room for one more step in the caches and, paged, the
     pages the step may hold are within the page budget."""
@@ -366,6 +373,8 @@ class DecodeStep:
     fits = jnp.all(s.done | (s.target.length + st.rows_per_step <= st.max_len))
     if st.paging is not None:
       fits &= self.pages_needed(s, self.rows_next(s)) <= st.paging.budget
+    if st.paging is not None and st.paging.span is not None:
+      fits &= self.span_needed(s, self.rows_next(s)) <= st.paging.span
     return fits
 
   # -- on device --
@@ -490,16 +499,47 @@ class DecodeStep:
       return sub.set(proposer=pstate)
     return self._on_slots(target, proposer, grammar, s, slot_1, part)
 
-  def _on_slots(self, target, proposer, grammar, s: LoopState, idx_A, fn) -> LoopState:
-    """fn applied to the A-slot state of slots idx_A (int32[A], distinct), its slots put back."""
-    leaves, treedef = jax.tree_util.tree_flatten(s)
+  def pages_needed_on(self, target, proposer, grammar, s: LoopState, idx_A, num_new_A) -> jax.Array:
+    """int32[]: `pages_needed` of the A slots idx_A (int32[A], distinct) alone, after adding num_new_A
+    (int32[A]) rows to each: the page budget of a call over those slots (`prefill_slots`,
+    `prefill_part`, `run_for_slots`), which reads their pages only."""
+    return self.pages_needed(self._take(target, proposer, grammar, s, idx_A)[0], num_new_A)
+
+  def run_for_slots(self, target, proposer, grammar, s: LoopState, idx_A, max_steps) -> LoopState:
+    """`run_for` over the A slots idx_A (int32[A], distinct) only; the others are not computed. The
+    Engine passes its running slots (padded to a power of two with idle ones), so a step over a
+    few running requests costs a few slots' rows, not all B (the page pools are shared, so only
+    the per-slot arrays are gathered and put back)."""
+    return self._on_slots(target, proposer, grammar, s, idx_A,
+                          lambda sub: self.run_for(target, proposer, grammar, sub, max_steps))
+
+  def _take(self, target, proposer, grammar, s: LoopState, idx_A):
+    """(the A-slot state of slots idx_A, reading this step's page budget; the leaves' slot axes)."""
     axes = self.slot_axes(target, proposer, grammar)
+    leaves, treedef = jax.tree_util.tree_flatten(s)
     if len(axes) != len(leaves):
       raise ValueError(f"the state has {len(leaves)} arrays, this step's {len(axes)}")
-    sub = fn(treedef.unflatten([x if a < 0 else jnp.take(x, idx_A, axis=a) for x, a in zip(leaves, axes)]))
+    sub = treedef.unflatten([x if a < 0 else jnp.take(x, idx_A, axis=a) for x, a in zip(leaves, axes)])
+    return self._budgeted(sub, self.settings.paging), axes
+
+  def _on_slots(self, target, proposer, grammar, s: LoopState, idx_A, fn) -> LoopState:
+    """fn applied to the A-slot state of slots idx_A (int32[A], distinct), its slots put back.
+    The A slots' calls read this step's page budget (sized for their pages by the caller, with
+    `pages_needed_on`); the whole state keeps its own."""
+    sub, axes = self._take(target, proposer, grammar, s, idx_A)
+    sub = self._budgeted(fn(sub), s.target.pages)
+    leaves = jax.tree_util.tree_leaves(s)
     put = lambda x, y, a: y if a < 0 else x.at[(slice(None),) * a + (idx_A,)].set(y)
     sub_leaves, sub_def = jax.tree_util.tree_flatten(sub)  # its static fields as fn left them
     return sub_def.unflatten([put(x, y, a) for x, y, a in zip(leaves, sub_leaves, axes)])
+
+  @staticmethod
+  def _budgeted(s: LoopState, paging: Paging | Pages | None) -> LoopState:
+    """s whose states' calls read paging's budget and span (unchanged when contiguous or paging is None)."""
+    if paging is None:
+      return s
+    pstate = None if s.proposer is None else s.proposer.with_page_budget(paging.budget, paging.span)
+    return s.set(target=s.target.with_page_budget(paging.budget, paging.span), proposer=pstate)
 
   def _sample(self, logits_BxV, s: LoopState, key):
     """int32[B]: a token per slot, with the slots' or the step's sampling settings."""
@@ -580,14 +620,18 @@ class DecodeStep:
   def run_for(self, target, proposer, grammar, s: LoopState, max_steps) -> LoopState:
     """Up to max_steps (int32[], a value: one compile for every count) steps on device, ending
     after the step in which a slot finishes (its slot can then be refilled) or before one that
-    would not fit: a serving loop's host round trip per call instead of per step."""
+    would not fit: a serving loop's host round trip per call instead of per step. The steps read
+    this step's page budget and span; the state keeps its own."""
     running_B = ~s.done
+    stored = s.target.pages  # the state's own paging, given back at the end (see `_on_slots`)
+    s = self._budgeted(s, self.settings.paging)
 
     def go_on(c):
       i, s = c
       return (i < max_steps) & ~jnp.any(running_B & s.done) & ~jnp.all(s.done) & self.fits(s)
 
-    return jax.lax.while_loop(go_on, lambda c: (c[0] + 1, self(target, proposer, grammar, c[1])), (0, s))[1]
+    s = jax.lax.while_loop(go_on, lambda c: (c[0] + 1, self(target, proposer, grammar, c[1])), (0, s))[1]
+    return self._budgeted(s, stored)
 
   def free(self, s: LoopState, mask_B) -> LoopState:
     """Empties the slots where mask_B (bool[B]): done, and their pages back to the pools."""
@@ -632,6 +676,11 @@ def jit_run_for(step: DecodeStep, target, proposer, grammar, s: LoopState, max_s
 
 
 @functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
+def jit_run_for_slots(step: DecodeStep, target, proposer, grammar, s: LoopState, idx_A, max_steps) -> LoopState:
+  return step.run_for_slots(target, proposer, grammar, s, idx_A, max_steps)
+
+
+@functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
 def jit_free(step: DecodeStep, s: LoopState, mask_B) -> LoopState:
   return step.free(s, mask_B)
 
@@ -644,6 +693,16 @@ def jit_fits(step: DecodeStep, s: LoopState) -> jax.Array:
 @functools.partial(jax.jit, static_argnames=("step",))
 def jit_pages_needed(step: DecodeStep, s: LoopState, num_new_B) -> jax.Array:
   return step.pages_needed(s, num_new_B)
+
+
+@functools.partial(jax.jit, static_argnames=("step",))
+def jit_span_needed(step: DecodeStep, s: LoopState, num_new_B) -> jax.Array:
+  return step.span_needed(s, num_new_B)
+
+
+@functools.partial(jax.jit, static_argnames=("step",))
+def jit_pages_needed_on(step: DecodeStep, target, proposer, grammar, s: LoopState, idx_A, num_new_A) -> jax.Array:
+  return step.pages_needed_on(target, proposer, grammar, s, idx_A, num_new_A)
 
 
 @functools.partial(jax.jit, static_argnames=("step", "batch_size"))
