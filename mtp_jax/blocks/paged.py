@@ -25,8 +25,8 @@ pages the next call can hold (`Pages.pages_after`), so the rows read per step fo
 in use, not B x max_len. MLA and draft-tree calls read the table's dense view (`update`).
 With a `span` (`Pages.with_budget(budget, span)`), every call reads the dense view of the first
 span columns instead: B x span pages, each slot's rows as one block, which for a few query rows
-per slot (a decode step) runs faster on XLA:CPU than the page list's per-page products; the
-Engine's decode steps read so, its prefills the page list.
+per slot (a decode step) runs faster on XLA:CPU than the page list's per-page products, and
+so does a prefill; the Engine's calls read so.
 """
 
 from __future__ import annotations

@@ -46,9 +46,9 @@ from mtp_jax.serving.metrics import Samples
 from mtp_jax.serving.generate import MIN_CAPACITY, padded_prompts
 from mtp_jax.serving.options import Paging, StepSettings
 from mtp_jax.sampling import RowSampling
-from mtp_jax.serving.step import (EOS_PER_SLOT, DecodeStep, SlotSettings, jit_free, jit_pages_needed_on,
-                                  jit_prefill_part, jit_prefill_slots, jit_run_for, jit_run_for_slots,
-                                  jit_span_needed)
+from mtp_jax.serving.step import (EOS_PER_SLOT, DecodeStep, SlotSettings, jit_free, jit_prefill_part,
+                                  jit_prefill_slots, jit_run_for, jit_run_for_slots, jit_span_needed,
+                                  jit_span_needed_on)
 from mtp_jax.target import TargetModel
 from mtp_jax.tree import TreeSpec
 
@@ -486,7 +486,7 @@ class Engine:
     prompt_1xT, len_1 = padded_prompts([req.prompt[done:done + c]], 1, [0])
     next_1xT, _ = padded_prompts([req.prompt[done + 1:done + c + 1]], 1, [0])
     slot_1 = np.asarray([req.slot], np.int32)
-    self._s = jit_prefill_part(self._budget_for(slot_1, len_1), self.target, self.proposer, self._union, self._s,
+    self._s = jit_prefill_part(self._paging_for(slot_1, len_1), self.target, self.proposer, self._union, self._s,
                                slot_1, prompt_1xT, len_1, next_1xT)
     req.prefilled += c
 
@@ -505,7 +505,7 @@ class Engine:
       max_new_A[i] = r.max_new_tokens
       if r.grammar is not None:
         gstart_A[i] = self._offsets[self._grammar_index(r.grammar)] + grammar_lib.START
-    self._s = jit_prefill_slots(self._budget_for(idx_A, lens_A), self.target, self.proposer, self._union, self._s,
+    self._s = jit_prefill_slots(self._paging_for(idx_A, lens_A), self.target, self.proposer, self._union, self._s,
                                 idx_A, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A,
                                 self._slot_settings(admitted, a) if self.per_slot else None)
 
@@ -517,12 +517,13 @@ class Engine:
     rest = sorted(set(range(b)) - set(slots), key=lambda i: self._slots[i] is not None)
     return np.asarray(list(slots) + rest[:a - len(slots)], np.int32)
 
-  def _budget_for(self, idx_A, num_new_A) -> DecodeStep:
+  def _paging_for(self, idx_A, num_new_A) -> DecodeStep:
     """The width-free step for a call adding num_new_A rows to the slots idx_A: it reads their pages
-    only (a prefill of one prompt reads that prompt's pages, not every running request's)."""
-    need = int(jit_pages_needed_on(self._base, self.target, self.proposer, self._union, self._s, idx_A,
-                                   np.asarray(num_new_A, np.int32)))
-    return DecodeStep(self._base.settings.with_budget(budget_bucket(need, self.num_pages, minimum=4)))
+    only, the span of the longest (a prefill reads its prompts' pages, not a running request's)."""
+    need = int(jit_span_needed_on(self._base, self.target, self.proposer, self._union, self._s, idx_A,
+                                  np.asarray(num_new_A, np.int32)))
+    span = budget_bucket(need, self.max_len // self.page_size, minimum=2)
+    return DecodeStep(self._base.settings.with_budget(self.num_pages, span))
 
   def _slot_settings(self, admitted: list[Request], a: int) -> SlotSettings:
     """The admitted requests' settings, in rows 0..len(admitted)-1 of a (the other rows are not

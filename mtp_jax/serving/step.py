@@ -26,7 +26,7 @@ are computed) and writes long prompts in parts with `prefill_part`. With `StepSe
 each slot carries its own sampling, key, draft cap and end tokens (`SlotSettings`). `generate`
 and the Engine are drivers over these functions (`jit_prefill`, `jit_prefill_slots`,
 `jit_prefill_part`, `jit_step`, `jit_run`, `jit_run_for`, `jit_run_for_slots`). A call over some
-slots reads a page budget sized for theirs (`pages_needed_on`).
+slots reads a page span sized for theirs (`span_needed_on`).
 """
 
 from __future__ import annotations
@@ -499,11 +499,11 @@ class DecodeStep:
       return sub.set(proposer=pstate)
     return self._on_slots(target, proposer, grammar, s, slot_1, part)
 
-  def pages_needed_on(self, target, proposer, grammar, s: LoopState, idx_A, num_new_A) -> jax.Array:
-    """int32[]: `pages_needed` of the A slots idx_A (int32[A], distinct) alone, after adding num_new_A
-    (int32[A]) rows to each: the page budget of a call over those slots (`prefill_slots`,
+  def span_needed_on(self, target, proposer, grammar, s: LoopState, idx_A, num_new_A) -> jax.Array:
+    """int32[]: `span_needed` of the A slots idx_A (int32[A], distinct) alone, after adding num_new_A
+    (int32[A]) rows to each: the page span of a call over those slots (`prefill_slots`,
     `prefill_part`, `run_for_slots`), which reads their pages only."""
-    return self.pages_needed(self._take(target, proposer, grammar, s, idx_A)[0], num_new_A)
+    return self.span_needed(self._take(target, proposer, grammar, s, idx_A)[0], num_new_A)
 
   def run_for_slots(self, target, proposer, grammar, s: LoopState, idx_A, max_steps) -> LoopState:
     """`run_for` over the A slots idx_A (int32[A], distinct) only; the others are not computed. The
@@ -524,8 +524,8 @@ class DecodeStep:
 
   def _on_slots(self, target, proposer, grammar, s: LoopState, idx_A, fn) -> LoopState:
     """fn applied to the A-slot state of slots idx_A (int32[A], distinct), its slots put back.
-    The A slots' calls read this step's page budget (sized for their pages by the caller, with
-    `pages_needed_on`); the whole state keeps its own."""
+    The A slots' calls read this step's page budget and span (sized for their pages by the
+    caller, with `span_needed_on`); the whole state keeps its own."""
     sub, axes = self._take(target, proposer, grammar, s, idx_A)
     sub = self._budgeted(fn(sub), s.target.pages)
     leaves = jax.tree_util.tree_leaves(s)
@@ -701,8 +701,8 @@ def jit_span_needed(step: DecodeStep, s: LoopState, num_new_B) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("step",))
-def jit_pages_needed_on(step: DecodeStep, target, proposer, grammar, s: LoopState, idx_A, num_new_A) -> jax.Array:
-  return step.pages_needed_on(target, proposer, grammar, s, idx_A, num_new_A)
+def jit_span_needed_on(step: DecodeStep, target, proposer, grammar, s: LoopState, idx_A, num_new_A) -> jax.Array:
+  return step.span_needed_on(target, proposer, grammar, s, idx_A, num_new_A)
 
 
 @functools.partial(jax.jit, static_argnames=("step", "batch_size"))
