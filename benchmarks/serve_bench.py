@@ -7,7 +7,7 @@ order, each batch until its longest request ends (its tokens come back together,
 the batch); the Engine keeps max_batch slots busy, refilling each as its request ends. Rows:
 generate at k = K; the Engine with num_drafts="auto" (its DraftPolicy new in each pass, so it
 measures every width again, or kept from the previous pass, as a long-running server keeps its
-step times), with k = K, and without a proposer. Columns: tokens/s and its ratio to generate's,
+step times and acceptance), with k = K, and without a proposer. Columns: tokens/s and its ratio to generate's,
 time to first token, inter-token latency and request latency (to the last token) p50 / p99 from
 the moment all requests arrived.
 
@@ -111,7 +111,7 @@ def _stream_table(name, target, proposer, opts, k):
   engine = lambda prop, nd, pol=None: lambda: _engine_pass(target, prop, requests, opts, nd, b, pol)
   runs = [("fixed generate batches, k=K", lambda: _generate_pass(target, proposer, requests, b)),
           ('Engine, "auto", measuring from scratch', engine(proposer, "auto")),
-          ('Engine, "auto", step times kept', engine(proposer, "auto", policy)),
+          ('Engine, "auto", policy kept', engine(proposer, "auto", policy)),
           ("Engine, k=K", engine(proposer, k)),
           ("Engine, no proposer (k=0)", engine(None, None))]
   runs = [(label, _settled(fn, opts["passes"])) for label, fn in runs]
@@ -133,10 +133,10 @@ def _stream_table(name, target, proposer, opts, k):
 
 def _batch_table(target, proposer, opts, k):
   widths = [("0", None, None), ("1", proposer, 1), (str(k), proposer, k), ("auto", proposer, "auto"),
-            ("auto, times kept", proposer, "kept")]
+            ("auto, policy kept", proposer, "kept")]
   print(f"\n## Engine tokens/s against max_batch (trained model; 2 x max_batch requests of {opts['table_output']} "
         "tokens, prompts as above)\n")
-  print("| max_batch | " + " | ".join(f"k={w}" for w, _, _ in widths) + " | auto / times kept vs best fixed k |")
+  print("| max_batch | " + " | ".join(f"k={w}" for w, _, _ in widths) + " | auto / policy kept vs best fixed k |")
   print("|---" * (len(widths) + 2) + "|")
   for b in opts["batches"]:
     # Each row compiles its own programs (another batch size); XLA:CPU maps each one's code, and

@@ -235,15 +235,17 @@ def test_auto_width_changes_and_greedy_output_stays_exact():
     assert engine.requests[rid].tokens == _alone(tuple(engine.requests[rid].prompt))[:20]
   m = engine.metrics()
   assert m["drafts_proposed_total"] < K * m["verify_steps_total"]  # some steps verified fewer than K
-  # An engine built again takes the first one's step times: with every width timed at one running
-  # request (a width the first engine left untried is given a slow time here), its first call
-  # picks the fastest for the prior acceptance at once, instead of trying each width.
+  # An engine built again takes the first one's step times and acceptance: with every width timed
+  # at one running request (a width the first engine left untried is given a slow time here), its
+  # first call picks the fastest at once, instead of trying each width.
   for k in range(K + 1):
     if (k, 1) not in engine.policy.seconds:
       engine.policy.record(k, 1, 1.0)
   again = Engine(TARGET5, PROPOSER5, max_batch=2, max_len=64, page_size=2, num_pages=40, draft_policy=engine.policy)
   rid = again.add_request([1, 2, 3], 20)
-  gain = lambda k: (1 + sum(0.5 ** (i + 1) for i in range(k))) / np.median(engine.policy.seconds[(k, 1)])
+  a, p = engine.policy.accepted_at, engine.policy.proposed_at  # kept too: the first engine's measured rates
+  rate = [a[i] / p[i] if p[i] >= 16 else 0.5 ** (i + 1) for i in range(K)]
+  gain = lambda k: (1 + sum(rate[:k])) / np.median(engine.policy.seconds[(k, 1)])
   again.step()
   assert again.metrics()["verify_width"] == max(range(K + 1), key=gain)
   assert again.run()[rid] == _alone((1, 2, 3))[:20]
@@ -253,15 +255,18 @@ def test_draft_policy_tries_each_width_then_picks_the_most_tokens_per_second():
   policy = DraftPolicy(3)
   picks = []
   for _ in range(4):
-    picks.append(policy.choose(1, [0] * 3, [0] * 3))
+    picks.append(policy.choose(1))
     policy.record(picks[-1], 1, 0.01)
   assert picks == [3, 2, 1, 0]  # untried widths first, widest first
-  assert policy.choose(1, [0] * 3, [0] * 3) == 3  # equal step times: drafts are free (prior acceptance)
-  assert policy.choose(1, [0, 0, 0], [100] * 3) == 0  # measured: drafts are never accepted
+  assert policy.choose(1) == 3  # equal step times: drafts are free (prior acceptance)
+  policy.observe([0, 0, 0], [100] * 3)
+  assert policy.choose(1) == 0  # measured: drafts are never accepted
   for k, seconds in enumerate([0.010, 0.016, 0.024, 0.032]):
     policy.record(k, 8, seconds)
-  assert policy.choose(7, [80, 60, 40], [100] * 3) == 1  # 1.8 / 0.016 beats 1 / 0.010 and 2.4 / 0.024
-  assert policy.choose(8, [20, 5, 1], [100] * 3) == 0  # low acceptance at full batch: no drafts
+  policy.observe([80, 60, 40], [0] * 3)  # counts add up: 0.8, 0.6, 0.4 accepted
+  assert policy.choose(7) == 1  # 1.8 / 0.016 beats 1 / 0.010 and 2.4 / 0.024
+  policy.observe([0, 0, 0], [300] * 3)  # 80 / 400, 60 / 400, 40 / 400
+  assert policy.choose(8) == 0  # low acceptance at full batch: no drafts
 
 
 class TestErrors:

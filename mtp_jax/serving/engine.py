@@ -103,36 +103,51 @@ class Request:
 
 @dataclasses.dataclass
 class DraftPolicy:
-  """How many drafts a step verifies under num_drafts="auto" (host side, one per Engine).
+  """How many drafts a step verifies under num_drafts="auto" (host side; an Engine's, or shared).
 
   It keeps the measured seconds per decode step for each width k = 0..K and batch bucket (running
-  requests rounded up to a power of two), and picks the k with the most tokens per second:
-  running x (1 + sum_{i<k} r_i) / seconds(k, bucket), r_i the measured rate at which draft i is
-  accepted when verified (a prior of 0.5^(i + 1) until 16 verifications). A width not yet timed
-  at a bucket is tried first (widest first); a call that compiled is not a sample. So a step
-  drafts like k = K where drafts pay (few requests, high acceptance) and less, down to 0, where
-  the wider target forward costs more than the tokens it wins (many requests, low acceptance).
+  requests rounded up to a power of two) and the drafts accepted and verified per position, and
+  picks the k with the most tokens per second: running x (1 + sum_{i<k} r_i) / seconds(k, bucket),
+  r_i the measured rate at which draft i is accepted when verified (a prior of 0.5^(i + 1) until
+  16 verifications). A width not yet timed at a bucket is tried first (widest first); a call that
+  compiled is not a sample. So a step drafts like k = K where drafts pay (few requests, high
+  acceptance) and less, down to 0, where the wider target forward costs more than the tokens it
+  wins (many requests, low acceptance). Both measurements belong to the models, batch size and
+  machine, not to one engine: an engine built again can start from them (`Engine(draft_policy=)`).
   """
 
   max_drafts: int
   seconds: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> recent seconds per step
+  accepted_at: np.ndarray | None = None  # int64[K]: steps whose draft i was accepted
+  proposed_at: np.ndarray | None = None  # int64[K]: steps whose draft i was verified
+
+  def __post_init__(self):
+    self.accepted_at = np.zeros((self.max_drafts,), np.int64) if self.accepted_at is None else self.accepted_at
+    self.proposed_at = np.zeros((self.max_drafts,), np.int64) if self.proposed_at is None else self.proposed_at
 
   @staticmethod
   def bucket(num_running: int) -> int:
     return 1 << max(0, num_running - 1).bit_length()
 
-  def choose(self, num_running: int, accepted_at, proposed_at) -> int:
+  def choose(self, num_running: int) -> int:
     b = self.bucket(num_running)
     untried = [k for k in range(self.max_drafts, -1, -1) if not self.seconds.get((k, b))]
     if untried:
       return untried[0]
-    rate = [a / p if p >= 16 else 0.5 ** (i + 1) for i, (a, p) in enumerate(zip(accepted_at, proposed_at))]
+    rate = [a / p if p >= 16 else 0.5 ** (i + 1) for i, (a, p) in enumerate(zip(self.accepted_at, self.proposed_at))]
     gain = lambda k: (1 + sum(rate[:k])) / float(np.median(self.seconds[(k, b)]))
     return max(range(self.max_drafts + 1), key=gain)
 
   def record(self, k: int, num_running: int, seconds_per_step: float) -> None:
+    """One timing sample: a decode step at width k with num_running requests took seconds_per_step."""
     samples = self.seconds.setdefault((k, self.bucket(num_running)), collections.deque(maxlen=8))
     samples.append(seconds_per_step)
+
+  def observe(self, accepted_at, proposed_at) -> None:
+    """Counts more verifications: accepted_at, proposed_at (K ints each) steps whose draft i was
+    accepted / verified since the last call."""
+    self.accepted_at = self.accepted_at + np.asarray(accepted_at, np.int64)
+    self.proposed_at = self.proposed_at + np.asarray(proposed_at, np.int64)
 
 
 class Engine:
@@ -168,7 +183,7 @@ class Engine:
     draft_policy: the `DraftPolicy` of num_drafts="auto" (default a new one). Its step times
       belong to the models, batch size and machine, not to one engine: an engine built again on
       the same ones (a server restarting its engine, a benchmark's second pass) can take the
-      first one's and skip measuring every width anew.
+      first one's (step times and acceptance) and skip measuring every width anew.
   """
 
   def __init__(self, target: TargetModel, proposer: MtpModel | None, *, max_batch: int = 8,
@@ -429,7 +444,7 @@ class Engine:
     running = [self.requests[rid] for rid in self._slots if rid is not None]
     k = max((r.num_drafts for r in running if r.num_drafts != "auto"), default=0)
     if any(r.num_drafts == "auto" for r in running):
-      k = max(k, self.policy.choose(len(running), self._accepted_at, self._proposed_at))
+      k = max(k, self.policy.choose(len(running)))
     if k != self._step.settings.verify_width:
       self._step = self._step.replace(verify_drafts=None if k == self.max_drafts else k)
       self._next_span = None  # read for the old width's rows
@@ -591,7 +606,10 @@ class Engine:
         (s.num_out, s.out, s.done, s.out_of_pages, s.verify_calls, s.accepted_at, s.proposed_at,
          jit_span_needed(self._base, s, self._step.rows_next(s) * self.steps_per_call)))
     self._next_span = int(self._next_span)
-    self._accepted_at, self._proposed_at = accepted_at.astype(np.int64), proposed_at.astype(np.int64)
+    accepted_at, proposed_at = accepted_at.astype(np.int64), proposed_at.astype(np.int64)
+    if self.policy is not None:
+      self.policy.observe(accepted_at - self._accepted_at, proposed_at - self._proposed_at)
+    self._accepted_at, self._proposed_at = accepted_at, proposed_at
     now = time.perf_counter()
     gained, finished, steps = {}, [], 0
     for slot, rid in enumerate(self._slots):
