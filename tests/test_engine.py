@@ -3,7 +3,6 @@
 import functools
 import time
 
-import numpy as np
 import pytest
 
 import mtp_jax
@@ -245,7 +244,7 @@ def test_auto_width_changes_and_greedy_output_stays_exact():
   rid = again.add_request([1, 2, 3], 20)
   a, p = engine.policy.accepted_at, engine.policy.proposed_at  # kept too: the first engine's measured rates
   rate = [a[i] / p[i] if p[i] >= 16 else 0.5 ** (i + 1) for i in range(K)]
-  gain = lambda k: (1 + sum(rate[:k])) / np.median(engine.policy.seconds[(k, 1)])
+  gain = lambda k: (1 + sum(rate[:k])) / engine.policy.step_seconds(k, 1)
   again.step()
   assert again.metrics()["verify_width"] == max(range(K + 1), key=gain)
   assert again.run()[rid] == _alone((1, 2, 3))[:20]
@@ -261,6 +260,9 @@ def test_draft_policy_tries_each_width_then_picks_the_most_tokens_per_second():
   assert policy.choose(1) == 3  # equal step times: drafts are free (prior acceptance)
   policy.observe([0, 0, 0], [100] * 3)
   assert policy.choose(1) == 0  # measured: drafts are never accepted
+  policy.record(3, 1, 0.04, steps=4)  # a call of 4 steps and one cut short after 1: 0.05 s / 5 steps
+  policy.record(3, 1, 0.01)
+  assert policy.step_seconds(3, 1) == pytest.approx((0.01 + 0.04 + 0.01) / 6)
   for k, seconds in enumerate([0.010, 0.016, 0.024, 0.032]):
     policy.record(k, 8, seconds)
   policy.observe([80, 60, 40], [0] * 3)  # counts add up: 0.8, 0.6, 0.4 accepted

@@ -117,7 +117,7 @@ class DraftPolicy:
   """
 
   max_drafts: int
-  seconds: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> recent seconds per step
+  seconds: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> recent calls' (seconds, steps)
   accepted_at: np.ndarray | None = None  # int64[K]: steps whose draft i was accepted
   proposed_at: np.ndarray | None = None  # int64[K]: steps whose draft i was verified
 
@@ -135,13 +135,18 @@ class DraftPolicy:
     if untried:
       return untried[0]
     rate = [a / p if p >= 16 else 0.5 ** (i + 1) for i, (a, p) in enumerate(zip(self.accepted_at, self.proposed_at))]
-    gain = lambda k: (1 + sum(rate[:k])) / float(np.median(self.seconds[(k, b)]))
-    return max(range(self.max_drafts + 1), key=gain)
+    return max(range(self.max_drafts + 1), key=lambda k: (1 + sum(rate[:k])) / self.step_seconds(k, b))
 
-  def record(self, k: int, num_running: int, seconds_per_step: float) -> None:
-    """One timing sample: a decode step at width k with num_running requests took seconds_per_step."""
-    samples = self.seconds.setdefault((k, self.bucket(num_running)), collections.deque(maxlen=8))
-    samples.append(seconds_per_step)
+  def step_seconds(self, k: int, bucket: int) -> float:
+    """Seconds per decode step at width k and batch bucket: the recent calls' time over their steps
+    (a ratio of sums, so a call cut short after one step weighs one step, not a whole call)."""
+    samples = self.seconds[(k, bucket)]
+    return sum(s for s, _ in samples) / sum(n for _, n in samples)
+
+  def record(self, k: int, num_running: int, seconds: float, steps: int = 1) -> None:
+    """One timing sample: a call of `steps` decode steps at width k with num_running requests took seconds."""
+    samples = self.seconds.setdefault((k, self.bucket(num_running)), collections.deque(maxlen=16))
+    samples.append((seconds, steps))
 
   def observe(self, accepted_at, proposed_at) -> None:
     """Counts more verifications: accepted_at, proposed_at (K ints each) steps whose draft i was
@@ -430,7 +435,7 @@ class Engine:
     now = time.perf_counter()
     if self.policy is not None and steps:
       if (step, len(idx_A)) in self._compiled:  # else the call compiled: not a sample of the step's time
-        self.policy.record(step.settings.verify_width, running, (now - t1) / steps)
+        self.policy.record(step.settings.verify_width, running, now - t1, steps)
       self._compiled.add((step, len(idx_A)))
     self._steps += 1
     self._step_seconds += now - t0
