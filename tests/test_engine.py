@@ -138,6 +138,15 @@ def test_metrics_deadlines_and_a_bounded_queue_return_every_page():
   text = mtp_jax.serving.prometheus_text(m)
   assert "# TYPE mtp_jax_requests_finished_total counter\nmtp_jax_requests_finished_total 1\n" in text
   assert 'mtp_jax_drafts_accepted_at{position="1"} ' in text and 'mtp_jax_ttft_seconds{quantile="0.99"}' in text
+  # An ended request's record can go (a server keeps only live ones); the counters keep it.
+  assert engine.forget(done).tokens == _alone((1, 2, 3))[:12] and done not in engine.requests
+  with pytest.raises(KeyError, match=f"request_id={done}"):
+    engine.forget(done)
+  assert engine.metrics()["tokens_generated_total"] == m["tokens_generated_total"]
+  assert engine.metrics()["requests_finished_total"] == 1
+  live = engine.add_request([1], 4)
+  with pytest.raises(ValueError, match="still waiting"):
+    engine.forget(live)
 
 
 def _alone_in_engine(prompt, max_new_tokens, **settings) -> list[int]:

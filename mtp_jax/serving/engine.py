@@ -246,11 +246,13 @@ class Engine:
     self._reserved = 0
     self._next_span = None  # the page span the next call needs, read with the last call's outputs
     self._ids = itertools.count()
-    self.requests: dict[int, Request] = {}
+    self.requests: dict[int, Request] = {}  # every request's record until `forget` drops an ended one
     self._ttft, self._itl = Samples(), Samples()
     self._steps, self._step_seconds, self._verify_steps = 0, 0.0, 0
     self._accepted_at = np.zeros((self.max_drafts,), np.int64)
     self._proposed_at = np.zeros((self.max_drafts,), np.int64)
+    self._ended: collections.Counter = collections.Counter()  # ended requests by status, forgotten ones too
+    self._tokens_total = 0
     self._compiled: set = set()  # (step, slots) that ran once (the next call of each is a timing sample)
 
   @property
@@ -376,7 +378,22 @@ class Engine:
       self._release([req.slot])
     else:
       return
-    req.status, req.finished_at = status, time.perf_counter()
+    self._end_request(req, status, time.perf_counter())
+
+  def _end_request(self, req: Request, status: str, now: float) -> None:
+    req.status, req.finished_at = status, now
+    self._ended[status] += 1
+
+  def forget(self, request_id: int) -> Request:
+    """Removes an ended request's record from `requests` and returns it, so a long-running engine
+    (a server) keeps only live records; `metrics()` counts it still. Raises KeyError for an unknown
+    id, ValueError for a request still waiting or running."""
+    req = self.requests.get(request_id)
+    if req is None:
+      raise KeyError(f"request_id={request_id!r} is not a request of this engine")
+    if req.status in ("waiting", "running"):
+      raise validate.InvalidValue("request_id", f"request {request_id} is still {req.status}: cancel it first")
+    return self.requests.pop(request_id)
 
   @property
   def num_running(self) -> int:
@@ -395,14 +412,13 @@ class Engine:
   def metrics(self) -> dict:
     """Counters, gauges and latency quantiles (names and meanings: serving.metrics.DESCRIPTIONS);
     `serving.prometheus_text` renders them. Reads the free page count from the device."""
-    status = collections.Counter(r.status for r in self.requests.values())
-    tokens = sum(len(r.tokens) for r in self.requests.values())
+    status = self._ended
     accepted = int(self._accepted_at.sum())
     caches = (self._s.target.kv, None if self._s.proposer is None else self._s.proposer.kv)
     return dict(
         requests_running=self.num_running, requests_waiting=self.num_waiting,
         requests_finished_total=status["finished"], requests_cancelled_total=status["cancelled"] + status["timed_out"],
-        requests_out_of_pages_total=status["out_of_pages"], tokens_generated_total=tokens,
+        requests_out_of_pages_total=status["out_of_pages"], tokens_generated_total=self._tokens_total,
         verify_steps_total=self._verify_steps, drafts_proposed_total=int(self._proposed_at.sum()),
         drafts_proposed_at=self._proposed_at.tolist(), drafts_accepted_total=accepted,
         drafts_accepted_at=self._accepted_at.tolist(), verify_width=self._step.settings.verify_width,
@@ -624,6 +640,7 @@ class Engine:
       req = self.requests[rid]
       new = out[slot, len(req.tokens):min(num_out[slot], req.max_new_tokens)].tolist()
       req.tokens += new
+      self._tokens_total += len(new)
       steps = max(steps, int(verify_calls[slot]) - req.verify_calls)
       self._verify_steps += int(verify_calls[slot]) - req.verify_calls
       req.verify_calls = int(verify_calls[slot])
@@ -637,7 +654,7 @@ class Engine:
           self._itl.add((now - req.last_token_at) / len(new), len(new))
         req.last_token_at = now
       if done[slot] or len(req.tokens) >= req.max_new_tokens:
-        req.status, req.finished_at = ("out_of_pages" if oom[slot] else "finished"), now
+        self._end_request(req, "out_of_pages" if oom[slot] else "finished", now)
         finished.append(slot)
     if finished:
       self._release(finished)

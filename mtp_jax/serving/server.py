@@ -271,6 +271,7 @@ class EngineThread:
     def cancel(engine):
       if self._sinks.pop(request_id, None) is not None:
         engine.cancel(request_id)
+        engine.forget(request_id)
     self.post(cancel)
 
   def _loop(self) -> None:
@@ -308,13 +309,15 @@ class EngineThread:
       new = gained.get(rid, ())
       if new or status is not None:
         sink(Update(tuple(new), status))
-      if status is not None:
+      if status is not None:  # delivered: the engine need not keep its record
         del self._sinks[rid]
+        self.engine.forget(rid)
 
   def _end(self, status: str | None) -> None:
     for rid, sink in self._sinks.items():
       if status is not None:
         self.engine.cancel(rid)
+        self.engine.forget(rid)
       sink(Update(status=status, error=self.error))
     self._sinks.clear()
 
