@@ -14,10 +14,11 @@ the moment all requests arrived.
 Part 2, the trained model: the Engine's tokens/s against max_batch for k = 0 (no proposer), 1,
 K and "auto" (new policy / policy kept), each over a stream of 2 x max_batch requests.
 
-All greedy. Each configuration runs until a pass compiles nothing, and that pass is timed (a
-long-running server compiles each program once); before the "auto" rows, the stream also runs
-once at each fixed k = 0..K, which compiles most steps "auto" may pick. The counts of outputs equal to generate's
-are printed. Run: python benchmarks/serve_bench.py [--quick].
+All greedy. Each configuration runs until a pass compiles nothing (a long-running server compiles
+each program once); from that pass on, 3 passes are timed and the median is shown. Before the
+"auto" rows, the stream also runs once at each fixed k = 0..K, which compiles most steps "auto"
+may pick. The counts of outputs equal to generate's are printed.
+Run: python benchmarks/serve_bench.py [--quick].
 """
 
 from __future__ import annotations
@@ -39,9 +40,9 @@ except ImportError:  # run as `python benchmarks/x.py` from a checkout that is n
 from mtp_jax import data, demo
 
 FULL = dict(num_requests=16, max_batch=8, prompt_lens=(16, 128), output_lens=(16, 64), max_len=256, page_size=32,
-            batches=(1, 2, 4, 8), table_output=32, passes=6)
+            batches=(1, 2, 4, 8), table_output=32, passes=6, repeats=3)
 QUICK = dict(num_requests=6, max_batch=2, prompt_lens=(4, 40), output_lens=(4, 24), max_len=96, page_size=16,
-             batches=(1, 2), table_output=8, passes=2)
+             batches=(1, 2), table_output=8, passes=2, repeats=1)
 
 
 def _requests(n, opts, seed):
@@ -87,18 +88,21 @@ jax.monitoring.register_event_duration_secs_listener(
     else None)
 
 
-def _settled(fn, max_passes: int):
-  """fn's result from its first pass that compiled nothing (a compile takes seconds here, which a
-  warm server does not pay per request), or its last pass, with a note. Which programs a stream
-  needs depends on its timing (admissions grouped differently, another width under "auto"), so
-  one warm-up pass may not do."""
+def _settled(fn, max_passes: int, repeats: int):
+  """fn's result of median wall time over `repeats` passes, from its first pass that compiled
+  nothing (a compile takes seconds here, which a warm server does not pay per request), or its
+  last pass, with a note. Which programs a stream needs depends on its timing (admissions grouped
+  differently, another width under "auto"), so one warm-up pass may not do. The median, because
+  this machine's speed moves by a tenth from one pass to the next."""
   for _ in range(max_passes):
     before = len(_COMPILES)
     result = fn()
     if len(_COMPILES) == before:
-      return result
-  print(f"note: a configuration still compiled in its pass {max_passes}, which is timed")
-  return result
+      break
+  else:
+    print(f"note: a configuration still compiled in its pass {max_passes}, which is timed")
+  results = sorted([result, *(fn() for _ in range(repeats - 1))], key=lambda r: r["wall"])
+  return results[len(results) // 2]
 
 
 def _stream_table(name, target, proposer, opts, k):
@@ -114,7 +118,7 @@ def _stream_table(name, target, proposer, opts, k):
           ('Engine, "auto", policy kept', engine(proposer, "auto", policy)),
           ("Engine, k=K", engine(proposer, k)),
           ("Engine, no proposer (k=0)", engine(None, None))]
-  runs = [(label, _settled(fn, opts["passes"])) for label, fn in runs]
+  runs = [(label, _settled(fn, opts["passes"], opts["repeats"])) for label, fn in runs]
   base = runs[0][1]
   print(f"\n## {name}: {len(requests)} requests at once, {b} slots, K={k}; prompts {opts['prompt_lens'][0]}.."
         f"{opts['prompt_lens'][1]} bytes, outputs {opts['output_lens'][0]}..{opts['output_lens'][1]} tokens\n")
@@ -149,7 +153,7 @@ def _batch_table(target, proposer, opts, k):
     policy = mtp_jax.serving.DraftPolicy(k)
     run = lambda prop, nd: lambda: _engine_pass(target, prop, requests, opts, "auto" if nd == "kept" else nd, b,
                                                 policy if nd == "kept" else None)
-    rates = [tokens / _settled(run(prop, nd), opts["passes"])["wall"] for _, prop, nd in widths]
+    rates = [tokens / _settled(run(prop, nd), opts["passes"], opts["repeats"])["wall"] for _, prop, nd in widths]
     print(f"| {b} | " + " | ".join(f"{r:.1f}" for r in rates) + f" | {rates[-2] / max(rates[:3]):.2f}x / "
           f"{rates[-1] / max(rates[:3]):.2f}x |")
 

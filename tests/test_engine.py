@@ -278,6 +278,14 @@ def test_draft_policy_tries_each_width_then_picks_the_most_tokens_per_second():
   assert policy.choose(7) == 1  # 1.8 / 0.016 beats 1 / 0.010 and 2.4 / 0.024
   policy.observe([0, 0, 0], [300] * 3)  # 80 / 400, 60 / 400, 40 / 400
   assert policy.choose(8) == 0  # low acceptance at full batch: no drafts
+  # A new bucket: the widest width first, then the others estimated by their ratio at bucket 8;
+  # a chosen estimate is timed and replaced.
+  assert policy.choose(4) == 3
+  policy.record(3, 4, 0.02)
+  assert policy.choose(4) == 0  # est. 0.02 x 0.010 / 0.032: 1 / 0.00625 beats 1.45 / 0.02
+  policy.record(0, 4, 0.015)
+  assert policy.choose(3) == 1  # k=0 measured at 1 / 0.015; k=1 est. 0.02 x 0.016 / 0.032: 1.2 / 0.01
+  assert (2, 4) not in policy.seconds and (1, 4) not in policy.seconds
 
 
 class TestErrors:

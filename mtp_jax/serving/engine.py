@@ -110,8 +110,12 @@ class DraftPolicy:
   requests rounded up to a power of two) and the drafts accepted and verified per position, and
   picks the k with the most tokens per second: running x (1 + sum_{i<k} r_i) / seconds(k, bucket),
   r_i the measured rate at which draft i is accepted when verified (a prior of 0.5^(i + 1) until
-  16 verifications). A width not yet timed at a bucket is tried first (widest first); a call that
-  compiled is not a sample. So a step drafts like k = K where drafts pay (few requests, high
+  16 verifications). At a bucket not yet timed the widest width runs first; a width not timed
+  there takes the widest one's time there scaled by their ratio at the nearest bucket that timed
+  both, or is tried when no bucket did (widest first). A width chosen on an estimate is timed as
+  it runs, so an estimate that flattered it is replaced after one call, and a stream's smaller
+  buckets (its tail) do not spend their few calls timing every width. A call that compiled is
+  not a sample. So a step drafts like k = K where drafts pay (few requests, high
   acceptance) and less, down to 0, where the wider target forward costs more than the tokens it
   wins (many requests, low acceptance). Both measurements belong to the models, batch size and
   machine, not to one engine: an engine built again can start from them (`Engine(draft_policy=)`).
@@ -131,12 +135,26 @@ class DraftPolicy:
     return 1 << max(0, num_running - 1).bit_length()
 
   def choose(self, num_running: int) -> int:
-    b = self.bucket(num_running)
-    untried = [k for k in range(self.max_drafts, -1, -1) if not self.seconds.get((k, b))]
-    if untried:
-      return untried[0]
+    b, widest = self.bucket(num_running), self.max_drafts
+    if not self.seconds.get((widest, b)):
+      return widest  # it sets the scale of the bucket's other widths
+    seconds = {}
+    for k in range(widest, -1, -1):
+      seconds[k] = self.step_seconds(k, b) if self.seconds.get((k, b)) else self._estimate(k, b)
+      if seconds[k] is None:
+        return k  # nothing to estimate it from: try it
     rate = [a / p if p >= 16 else 0.5 ** (i + 1) for i, (a, p) in enumerate(zip(self.accepted_at, self.proposed_at))]
-    return max(range(self.max_drafts + 1), key=lambda k: (1 + sum(rate[:k])) / self.step_seconds(k, b))
+    return max(range(widest + 1), key=lambda k: (1 + sum(rate[:k])) / seconds[k])  # a tie: the narrowest
+
+  def _estimate(self, k: int, bucket: int) -> float | None:
+    """Seconds of a step at width k and bucket, not timed there: the widest width's time there
+    times k's ratio to it at the nearest bucket that timed both (None if none did)."""
+    widest = self.max_drafts
+    known = [c for (w, c) in self.seconds if w == k and self.seconds.get((widest, c))]
+    if not known:
+      return None
+    c = min(known, key=lambda c: (abs(c.bit_length() - bucket.bit_length()), -c))
+    return self.step_seconds(widest, bucket) * self.step_seconds(k, c) / self.step_seconds(widest, c)
 
   def step_seconds(self, k: int, bucket: int) -> float:
     """Seconds per decode step at width k and batch bucket: the recent calls' time over their steps
@@ -548,9 +566,13 @@ class Engine:
 
   def _slot_group(self, slots: list[int]) -> np.ndarray:
     """int32[A]: slots, then others (free ones first, untouched by the call) up to a power of two
-    A: a call over a group compiles once per A. On a mesh, every slot (A must divide the data axis)."""
+    A: a call over a group compiles once per A. Every slot when A would be more than half of them
+    (a group saves less than half the work there, and costs a program of its own to compile) or on
+    a mesh (A must divide the data axis)."""
     b = len(self._slots)
-    a = b if self._step.settings.mesh is not None else min(b, 1 << (len(slots) - 1).bit_length())
+    a = 1 << (len(slots) - 1).bit_length()
+    if self._step.settings.mesh is not None or 2 * a > b:
+      a = b
     rest = sorted(set(range(b)) - set(slots), key=lambda i: self._slots[i] is not None)
     return np.asarray(list(slots) + rest[:a - len(slots)], np.int32)
 
