@@ -54,6 +54,16 @@ from mtp_jax.target import TargetModel
 from mtp_jax.tree import TreeSpec
 
 
+# JAX traces a jitted function each time it builds a program for it (then compiles it, or reads it
+# from the compilation cache): a call during which this fired spent time building, so its time is
+# not a sample of the step's. Counted for the whole process, so a program another engine built is
+# not mistaken for a build.
+_TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+_events: collections.Counter = collections.Counter()
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **kwargs: _events.update((event,)) if event == _TRACE_EVENT else None)
+
+
 class QueueFull(RuntimeError):
   """add_request on an engine whose waiting queue holds max_waiting requests (a server answers 429 / 503)."""
 
@@ -114,11 +124,12 @@ class DraftPolicy:
   there takes the widest one's time there scaled by their ratio at the nearest bucket that timed
   both, or is tried when no bucket did (widest first). A width chosen on an estimate is timed as
   it runs, so an estimate that flattered it is replaced after one call, and a stream's smaller
-  buckets (its tail) do not spend their few calls timing every width. A call that compiled is
-  not a sample. So a step drafts like k = K where drafts pay (few requests, high
-  acceptance) and less, down to 0, where the wider target forward costs more than the tokens it
-  wins (many requests, low acceptance). Both measurements belong to the models, batch size and
-  machine, not to one engine: an engine built again can start from them (`Engine(draft_policy=)`).
+  buckets (its tail) do not spend their few calls timing every width. A call during which JAX
+  built a program (traced, then compiled or read it from a cache) is not a sample. So a step
+  drafts like k = K where drafts pay (few requests, high acceptance) and less, down to 0, where
+  the wider target forward costs more than the tokens it wins (many requests, low acceptance).
+  Both measurements belong to the models, batch size and machine, not to one engine: an engine
+  built again can start from them (`Engine(draft_policy=)`).
   """
 
   max_drafts: int
@@ -271,7 +282,6 @@ class Engine:
     self._proposed_at = np.zeros((self.max_drafts,), np.int64)
     self._ended: collections.Counter = collections.Counter()  # ended requests by status, forgotten ones too
     self._tokens_total = 0
-    self._compiled: set = set()  # (step, slots) that ran once (the next call of each is a timing sample)
 
   @property
   def page_span(self) -> int:
@@ -459,7 +469,7 @@ class Engine:
     n = 1 if self._waiting and None in self._slots else self.steps_per_call
     self._set_width()
     self._respan(self._step.rows_next(self._s) * self.steps_per_call, self._next_span)
-    step, running, t1 = self._step, self.num_running, time.perf_counter()
+    step, running, traces, t1 = self._step, self.num_running, _events[_TRACE_EVENT], time.perf_counter()
     decoding = [slot for slot, rid in enumerate(self._slots) if rid is not None and rid not in self._parts]
     idx_A = self._slot_group(decoding)
     if len(idx_A) == len(self._slots):
@@ -468,10 +478,8 @@ class Engine:
       self._s = jit_run_for_slots(step, self.target, self.proposer, self._union, self._s, idx_A, np.int32(n))
     gained, steps = self._collect()
     now = time.perf_counter()
-    if self.policy is not None and steps:
-      if (step, len(idx_A)) in self._compiled:  # else the call compiled: not a sample of the step's time
-        self.policy.record(step.settings.verify_width, running, now - t1, steps)
-      self._compiled.add((step, len(idx_A)))
+    if self.policy is not None and steps and _events[_TRACE_EVENT] == traces:  # else it built a program
+      self.policy.record(step.settings.verify_width, running, now - t1, steps)
     self._steps += 1
     self._step_seconds += now - t0
     return gained
