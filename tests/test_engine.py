@@ -140,7 +140,9 @@ def test_metrics_deadlines_and_a_bounded_queue_return_every_page():
   assert "# TYPE mtp_jax_requests_finished_total counter\nmtp_jax_requests_finished_total 1\n" in text
   assert 'mtp_jax_drafts_accepted_at{position="1"} ' in text and 'mtp_jax_ttft_seconds{quantile="0.99"}' in text
   # An ended request's record can go (a server keeps only live ones); the counters keep it.
+  assert m["requests_recorded"] == 3  # the one the full queue refused was never recorded
   assert engine.forget(done).tokens == _alone((1, 2, 3))[:12] and done not in engine.requests
+  assert engine.metrics()["requests_recorded"] == 2
   with pytest.raises(KeyError, match=f"request_id={done}"):
     engine.forget(done)
   assert engine.metrics()["tokens_generated_total"] == m["tokens_generated_total"]
@@ -290,6 +292,13 @@ def test_draft_policy_tries_each_width_then_picks_the_most_tokens_per_second():
   policy.record(0, 4, 0.015)
   assert policy.choose(3) == 1  # k=0 measured at 1 / 0.015; k=1 est. 0.02 x 0.016 / 0.032: 1.2 / 0.01
   assert (2, 4) not in policy.seconds and (1, 4) not in policy.seconds
+  # Every 4th call at a bucket times again a runner-up within a tenth of the best.
+  one = DraftPolicy(1)
+  one.record(1, 1, 0.02)
+  one.record(0, 1, 0.0105)  # prior rate 0.5: k=1 1.5 / 0.02 = 75, k=0 1 / 0.0105 = 95: far
+  assert [one.choose(1) for _ in range(4)] == [0, 0, 0, 0]
+  one.record(1, 1, 0.014)  # k=1 1.5 / 0.017 = 88, within a tenth of 95
+  assert [one.choose(1) for _ in range(4)] == [0, 0, 0, 1]
 
 
 class TestErrors:

@@ -124,7 +124,9 @@ class DraftPolicy:
   there takes the widest one's time there scaled by their ratio at the nearest bucket that timed
   both, or is tried when no bucket did (widest first). A width chosen on an estimate is timed as
   it runs, so an estimate that flattered it is replaced after one call, and a stream's smaller
-  buckets (its tail) do not spend their few calls timing every width. A call during which JAX
+  buckets (its tail) do not spend their few calls timing every width. Every 4th call at a bucket
+  runs the runner-up instead when it is within a tenth of the best (call times here move by that
+  much, so such widths are ranked by noise until timed again). A call during which JAX
   built a program (traced, then compiled or read it from a cache) is not a sample. So a step
   drafts like k = K where drafts pay (few requests, high acceptance) and less, down to 0, where
   the wider target forward costs more than the tokens it wins (many requests, low acceptance).
@@ -136,6 +138,7 @@ class DraftPolicy:
   seconds: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> recent calls' (seconds, steps)
   accepted_at: np.ndarray | None = None  # int64[K]: steps whose draft i was accepted
   proposed_at: np.ndarray | None = None  # int64[K]: steps whose draft i was verified
+  choices: dict = dataclasses.field(default_factory=dict)  # bucket -> calls chosen by their measured gain
 
   def __post_init__(self):
     self.accepted_at = np.zeros((self.max_drafts,), np.int64) if self.accepted_at is None else self.accepted_at
@@ -155,7 +158,16 @@ class DraftPolicy:
       if seconds[k] is None:
         return k  # nothing to estimate it from: try it
     rate = [a / p if p >= 16 else 0.5 ** (i + 1) for i, (a, p) in enumerate(zip(self.accepted_at, self.proposed_at))]
-    return max(range(widest + 1), key=lambda k: (1 + sum(rate[:k])) / seconds[k])  # a tie: the narrowest
+    gain = {k: (1 + sum(rate[:k])) / seconds[k] for k in range(widest + 1)}
+    best = max(gain, key=gain.get)  # a tie: the narrowest
+    self.choices[b] = self.choices.get(b, 0) + 1
+    if self.choices[b] % 4 == 0:
+      # A call's time moves by a tenth here, so widths within a tenth of the best are ranked by
+      # noise: every 4th call times the nearest of them again rather than trusting old samples.
+      close = [k for k in gain if k != best and gain[k] >= 0.9 * gain[best]]
+      if close:
+        return max(close, key=gain.get)
+    return best
 
   def _estimate(self, k: int, bucket: int) -> float | None:
     """Seconds of a step at width k and bucket, not timed there: the widest width's time there
@@ -444,7 +456,7 @@ class Engine:
     accepted = int(self._accepted_at.sum())
     caches = (self._s.target.kv, None if self._s.proposer is None else self._s.proposer.kv)
     return dict(
-        requests_running=self.num_running, requests_waiting=self.num_waiting,
+        requests_running=self.num_running, requests_waiting=self.num_waiting, requests_recorded=len(self.requests),
         requests_finished_total=status["finished"], requests_cancelled_total=status["cancelled"] + status["timed_out"],
         requests_out_of_pages_total=status["out_of_pages"], tokens_generated_total=self._tokens_total,
         verify_steps_total=self._verify_steps, drafts_proposed_total=int(self._proposed_at.sum()),

@@ -18,6 +18,7 @@ QUANTILES = (0.5, 0.9, 0.99)
 DESCRIPTIONS = {
     "requests_running": ("gauge", "Requests decoding in a slot."),
     "requests_waiting": ("gauge", "Requests queued for a slot."),
+    "requests_recorded": ("gauge", "Request records the engine holds (live ones and ended ones not forgotten)."),
     "requests_finished_total": ("counter", "Requests that ended with all their tokens or eos."),
     "requests_cancelled_total": ("counter", "Requests cancelled or past their deadline."),
     "requests_out_of_pages_total": ("counter", "Requests stopped by the page allocator."),

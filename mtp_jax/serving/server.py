@@ -692,8 +692,9 @@ def warm_up(engine: Engine, model: ServedModel) -> None:
   """Compiles the engine's programs with one short request, so the first client's time to first
   token is not a compile (the request is counted in the metrics)."""
   prompt = model.encode("Hello", False) or [0]
-  engine.add_request(prompt, 2)
+  rid = engine.add_request(prompt, 2)
   engine.run()
+  engine.forget(rid)
 
 
 def serve(engine: Engine, model: ServedModel, *, host: str = "127.0.0.1", port: int = 8000, warmup: bool = True,
