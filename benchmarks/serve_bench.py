@@ -15,7 +15,7 @@ Part 2, the trained model: the Engine's tokens/s against max_batch for k = 0 (no
 K and "auto" (new policy / policy kept), each over a stream of 2 x max_batch requests.
 
 All greedy. Each configuration runs until a pass compiles nothing (a long-running server compiles
-each program once); from that pass on, 3 passes are timed and the median is shown. Before the
+each program once); the median of 3 such passes is shown. Before the
 "auto" rows, the stream also runs once at each fixed k = 0..K, which compiles most steps "auto"
 may pick. The counts of outputs equal to generate's are printed.
 Run: python benchmarks/serve_bench.py [--quick].
@@ -89,20 +89,24 @@ jax.monitoring.register_event_duration_secs_listener(
 
 
 def _settled(fn, max_passes: int, repeats: int):
-  """fn's result of median wall time over `repeats` passes, from its first pass that compiled
-  nothing (a compile takes seconds here, which a warm server does not pay per request), or its
-  last pass, with a note. Which programs a stream needs depends on its timing (admissions grouped
+  """fn's result of median wall time over `repeats` passes that compiled nothing (a compile takes
+  seconds here, which a warm server pays once per program, not per request), running up to
+  max_passes + repeats passes (with fewer such passes, a note: the median of those, or of the
+  last pass when none). Which programs a stream needs depends on its timing (admissions grouped
   differently, another width under "auto"), so one warm-up pass may not do. The median, because
   this machine's speed moves by a tenth from one pass to the next."""
-  for _ in range(max_passes):
+  clean = []
+  for _ in range(max_passes + repeats):
     before = len(_COMPILES)
     result = fn()
     if len(_COMPILES) == before:
-      break
+      clean.append(result)
+      if len(clean) == repeats:
+        break
   else:
-    print(f"note: a configuration still compiled in its pass {max_passes}, which is timed")
-  results = sorted([result, *(fn() for _ in range(repeats - 1))], key=lambda r: r["wall"])
-  return results[len(results) // 2]
+    print(f"note: only {len(clean)} of {max_passes + repeats} passes of a configuration compiled nothing")
+  timed = sorted(clean or [result], key=lambda r: r["wall"])
+  return timed[len(timed) // 2]
 
 
 def _stream_table(name, target, proposer, opts, k):
