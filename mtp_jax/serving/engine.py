@@ -8,9 +8,10 @@ state as per-slot arrays (`SlotSettings`), so any mix runs one compiled step. `s
    worst case): one jitted `prefill_slots` over the admitted slots only writes their prompt rows,
    emits their first token and drafts; running slots are neither computed nor touched;
 2. runs the decode step `generate` itself runs, over the running slots only (`run_for_slots`,
-   padded to a power of two; every slot when that is more than half of them); before each jitted call the host sets the page span (each slot's
-   first pages, read as one dense block, see blocks/paged.py) from the pages the longest slot
-   may hold, so reads follow the tokens in flight; a prefill reads its own slots' span;
+   padded to a power of two; every slot when that is more than half of them); before each
+   jitted call the host sets the page span (each slot's first pages, read as one dense block,
+   see blocks/paged.py) from the pages the longest slot may hold, so reads follow the tokens in
+   flight; a prefill reads its own slots' span;
 3. reads the tokens each request gained and frees the slots (and pages) of finished ones at once.
 
 Every jitted call donates the loop state, so the caches are updated in place. Host work per
