@@ -51,9 +51,10 @@ def _run(target, proposer, prompts, settings, steps):
   b = len(prompts)
   step = serving.DecodeStep(settings)
   prompts_BxT, lens = serving.generate_lib.padded_prompts(prompts, b, range(b))
-  s = step.init(target, proposer, None, b, jax.random.key(0))
+  s = step.init(target, proposer, None, b)
   s = serving.jit_prefill(step, target, proposer, None, s, prompts_BxT, lens, np.ones(b, bool), np.zeros(b, bool),
-                          np.full(b, settings.max_new_tokens, np.int32))
+                          np.full(b, settings.max_new_tokens, np.int32),
+                          serving.SlotSettings.uniform(b, num_drafts=settings.num_drafts))
   s = jax.block_until_ready(serving.jit_step(step, target, proposer, None, s))  # compile
   times = []
   for _ in range(steps):

@@ -42,6 +42,7 @@ from mtp_jax import data  # noqa: E402
 from mtp_jax.blocks.cache import write_rows  # noqa: E402
 from mtp_jax.proposer import ProposeSettings, propose_step  # noqa: E402
 from mtp_jax.serving.options import StepSettings  # noqa: E402
+from mtp_jax.serving.state import SlotSettings  # noqa: E402
 from mtp_jax.serving.step import DecodeStep, jit_prefill, jit_step  # noqa: E402
 from mtp_jax.target import target_step  # noqa: E402
 from mtp_jax.verify import verify_greedy  # noqa: E402
@@ -74,12 +75,13 @@ def interleaved(cases: dict, reps: int) -> dict:
 
 def prefilled(step: DecodeStep, target, proposer, prompt):
   """A loop state after the prompt's prefill (batch 1)."""
-  s = step.init(target, proposer, None, 1, jax.random.key(0))
+  s = step.init(target, proposer, None, 1)
   t = -(-len(prompt) // 32) * 32
   prompts = np.zeros((1, t), np.int32)
   prompts[0, :len(prompt)] = prompt
   return jit_prefill(step, target, proposer, None, s, prompts, np.array([len(prompt)], np.int32),
-                     np.ones((1,), bool), np.zeros((1,), bool), np.array([step.settings.max_new_tokens], np.int32))
+                     np.ones((1,), bool), np.zeros((1,), bool), np.array([step.settings.max_new_tokens], np.int32),
+                     SlotSettings.uniform(1, num_drafts=step.settings.num_drafts))
 
 
 @functools.partial(jax.jit, static_argnames=("step", "n"), donate_argnames=("s",))

@@ -42,7 +42,7 @@ from mtp_jax.blocks import LayerCaches, Pages, TreeRows
 from mtp_jax.blocks.caches import CachedState
 from mtp_jax.config import MtpConfig
 from mtp_jax.mtp import MtpModel
-from mtp_jax.sampling import filtered_probs, row_sample, sample
+from mtp_jax.sampling import Draws, RowSampling, row_probs
 from mtp_jax.tree import DraftTree, TreeSpec, check_tree
 
 
@@ -227,9 +227,14 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
     validate.raise_failed(_propose_value_errors(state, hiddens, tokens, num_new, params.cfg.vocab_size, grammar,
                                                 grammar_state),
                           num_pos=state.num_pos, num_new=num_new)
-  settings = ProposeSettings(num_drafts, temperature, top_k, top_p, checked, grammar_per_position, catch_up, tree)
+  settings = ProposeSettings(num_drafts, checked, grammar_per_position, catch_up, tree, tree_draws="independent")
+  draws = None
+  if temperature > 0:  # every row with these settings, each its own key split from key
+    b = state.batch_size
+    draws = Draws(RowSampling.uniform(b, temperature, top_k, top_p), jax.random.split(key, b),
+                  jnp.zeros((b,), jnp.int32))
   return propose_step(params, state, hiddens, tokens.astype(jnp.int32), num_new.astype(jnp.int32), settings,
-                      key, grammar, grammar_state)
+                      draws, grammar, grammar_state)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,20 +242,20 @@ class ProposeSettings:
   """The static settings of one propose call (see `propose` for each): hashable, so a jit takes
   it as one static argument and compiles once per value.
 
-  num_drafts: k, 1..K; temperature / top_k / top_p: sampling (temperature 0: greedy);
-  checked: add checkify checks on values; grammar_per_position: mask draft i with the grammar
-  state after drafts 0..i-1 (False: with the state after the verified tokens, the seed's way);
-  catch_up: run every depth (False: only the k drafting ones); tree: draft this TreeSpec.
+  num_drafts: k, 1..K; checked: add checkify checks on values; grammar_per_position: mask draft
+  i with the grammar state after drafts 0..i-1 (False: with the state after the verified tokens,
+  the seed's way); catch_up: run every depth (False: only the k drafting ones); tree: draft this
+  TreeSpec; tree_draws: how a sampled tree's children are drawn, "top" (the top-w under the
+  noise of their position: Gumbel-top-k, for Gumbel acceptance) or "independent" (w draws with
+  replacement, for rejection sampling).
   """
 
   num_drafts: int
-  temperature: float = 0.0
-  top_k: int | None = None
-  top_p: float | None = None
   checked: bool = False
   grammar_per_position: bool = True
   catch_up: bool = True
   tree: TreeSpec | None = None
+  tree_draws: str = "top"
 
 
 def _check_grammar(grammar, grammar_state, batch_size, vocab_size):
@@ -269,22 +274,21 @@ def _gather_rows(x_BxTx, idx_BxW):
 
 @validate.jit_when_concrete(static_argnums=5)
 def propose_step(params: MtpModel, state: ProposerState, hiddens_BxTxD, tokens_BxT, num_new_B,
-                 settings: ProposeSettings, key=None, grammar=None, grammar_state_B=None, rows=None):
+                 settings: ProposeSettings, draws: Draws | None = None, grammar=None, grammar_state_B=None):
   """`propose` without its argument checks, for a serving step that checked its inputs once:
-  hiddens float[B, T, D], tokens int32[B, T], num_new int32[B], the static settings, key,
-  grammar and grammar_state int32[B] as `propose` takes them. Returns what `propose` returns.
-  rows: a `sampling.RowSampling` (then key is a key per row, and settings' sampling is unused):
-  each row drafts with its own settings and key (a chain only; the state must keep draft_probs).
+  hiddens float[B, T, D], tokens int32[B, T], num_new int32[B], the static settings, grammar and
+  grammar_state int32[B] as `propose` takes them. Returns what `propose` returns.
+  draws: how each row draws (`sampling.Draws`; None: every row greedy): draft i of row b is its
+  draw at output position draws.positions[b] + i, a tree's depth-i children its top-w under that
+  position's noise, or w independent draws (settings.tree_draws).
   Jitted when called with concrete arrays; inside a caller's jit, traced into it."""
-  num_drafts, temperature, top_k, top_p = settings.num_drafts, settings.temperature, settings.top_k, settings.top_p
+  num_drafts = settings.num_drafts
   grammar_per_position, catch_up, tree = settings.grammar_per_position, settings.catch_up, settings.tree
   # grammar_per_position=False masks every draft with grammar_state_B, as the seed proposer
   # did; the serving loop's ablation (generate's draft_masks="first") uses it.
   # catch_up=False runs modules 0..k-1 only; the deeper modules' rows, lengths and rings are
   # left as they were (stale), which num_live records.
   cfg = params.cfg
-  if rows is not None and (tree is not None or state.draft_probs is None):
-    raise validate.InvalidValue("rows", "per-row sampling drafts a chain into a state that keeps draft_probs")
   if settings.checked:
     validate.checkify_checks(_propose_value_errors(state, hiddens_BxTxD, tokens_BxT, num_new_B, cfg.vocab_size,
                                                    grammar, grammar_state_B))
@@ -347,11 +351,11 @@ def propose_step(params: MtpModel, state: ProposerState, hiddens_BxTxD, tokens_B
       if grammar is not None:
         logits_BxV = grammar_lib.apply_mask(
             logits_BxV, grammar_lib.token_mask(grammar, g_state_B, logits_BxV.shape[-1]))
-      if rows is not None:
-        d_B, q_BxV = row_sample(logits_BxV, rows, jax.vmap(lambda row_key: jax.random.fold_in(row_key, i))(key))
+      if draws is None:
+        d_B = jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
+        q_BxV = jax.nn.one_hot(d_B, logits_BxV.shape[-1], dtype=jnp.float32)
       else:
-        sub_key = None if key is None else jax.random.fold_in(key, i)
-        d_B, q_BxV = sample(logits_BxV, sub_key, temperature=temperature, top_k=top_k, top_p=top_p)
+        d_B, q_BxV = draws.at(i).sample(logits_BxV), row_probs(logits_BxV, draws.rows)
       drafts.append(d_B)
       probs.append(q_BxV)
       if grammar is not None and grammar_per_position:
@@ -368,8 +372,8 @@ def propose_step(params: MtpModel, state: ProposerState, hiddens_BxTxD, tokens_B
         else:
           g_BxN = jnp.broadcast_to(grammar_state_B[:, None], logits_BxNxV.shape[:2])
         logits_BxNxV = grammar_lib.apply_mask(logits_BxNxV, grammar_lib.token_mask(grammar, g_BxN, cfg.vocab_size))
-      sub_key = None if key is None else jax.random.fold_in(key, i)
-      kids_BxC, q_BxNxV = _tree_children(logits_BxNxV, tree.widths[i], sub_key, temperature, top_k, top_p)
+      kids_BxC, q_BxNxV = _tree_children(logits_BxNxV, tree.widths[i], None if draws is None else draws.at(i),
+                                         settings.tree_draws)
       nodes_tok_BxN1 = nodes_tok_BxN1.at[:, tree.starts[i + 1]:tree.starts[i + 2]].set(kids_BxC)
       tree_probs.append(q_BxNxV)
     prev_h_BxWxD, prev_start_B = next_h_BxWxD, start_B
@@ -382,7 +386,7 @@ def propose_step(params: MtpModel, state: ProposerState, hiddens_BxTxD, tokens_B
                         num_pos=new_num_pos_B, num_drafted=jnp.full((b,), num_drafts, jnp.int32),
                         draft_probs=draft_probs, num_live=num_run)
   if tree is not None:
-    probs = None if temperature == 0 else jnp.concatenate(tree_probs, axis=1)
+    probs = None if draws is None else jnp.concatenate(tree_probs, axis=1)
     return DraftTree.of(tree, nodes_tok_BxN1[:, 1:], probs), new_state
   return jnp.stack(drafts, axis=1), new_state
 
@@ -415,14 +419,18 @@ def _tree_depth(params, i, tree, cache, out_BxWxD, next_h_BxWxD, start_B, new_nu
   return node_h, node_out[:, tree.starts[i]:tree.starts[i + 1]]
 
 
-def _tree_children(logits_BxNxV, width, key, temperature, top_k, top_p):
+def _tree_children(logits_BxNxV, width, draws: Draws | None, tree_draws: str):
   """(children int32[B, N * width], parent-major, and the draft distributions float32[B, N, V] or
-  None when greedy): the top-width tokens of each node, or width independent draws from it."""
-  b, n, _ = logits_BxNxV.shape
-  if temperature == 0:
+  None when greedy): the top-width tokens of each node, greedy or under the draws' noise at their
+  position ("top"), or width independent draws from it ("independent")."""
+  b, n, v = logits_BxNxV.shape
+  if draws is None:
     return jax.lax.top_k(logits_BxNxV, width)[1].reshape(b, -1).astype(jnp.int32), None
-  q_BxNxV = filtered_probs(logits_BxNxV, temperature=temperature, top_k=top_k, top_p=top_p)
-  kids = jax.random.categorical(key, jnp.log(q_BxNxV)[:, :, None], axis=-1, shape=(b, n, width))
+  q_BxNxV = row_probs(logits_BxNxV, draws.rows)
+  if tree_draws == "independent":
+    kids = draws.sample_many(logits_BxNxV, width)
+  else:
+    kids = jax.lax.top_k(draws.scores(logits_BxNxV, np.zeros(n, np.int32)), width)[1]
   return kids.reshape(b, -1).astype(jnp.int32), q_BxNxV
 
 

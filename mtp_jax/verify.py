@@ -1,5 +1,12 @@
 """Verification of k drafts against the target's k + 1 distributions; pure, batched, jittable.
 
+Sampled rows have two rules: Gumbel acceptance (`verify_gumbel`, `verify_tree_gumbel`: the drafts
+were drawn with the noise the target's tokens are drawn with, and a draft is kept when it equals
+the target's draw, so the output is plain sampling's with that key, whatever was drafted) and
+lossless rejection sampling (`verify_sampling` / `verify_rows`, `verify_tree_sampling` /
+`verify_tree_rows`: the maximal coupling, with more accepted drafts per step, but tokens that
+depend on the number of drafts verified).
+
 Each rule returns (num_accepted int32[B] in 0..k, next_token int32[B]): the sequence grows by
 drafts[:, :a] followed by next_token (the target's correction or its bonus token). The tree rule
 also returns the accepted path, whose nodes' tokens play the drafts' part.
@@ -12,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax import validate
-from mtp_jax.sampling import RowSampling, filtered_probs, row_probs
+from mtp_jax.sampling import Draws, RowSampling, row_probs
 from mtp_jax.tree import TreeSpec, check_tree
 
 
@@ -84,20 +91,11 @@ def verify_sampling(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV, key, *, temper
   """
   _positive_temperature(temperature, "verify_sampling")
   logits_BxK1xV, drafts_BxK, draft_probs_BxKxV = _check(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV)
-  k = drafts_BxK.shape[1]
   if key is None:
     raise validate.InvalidValue("key", "verify_sampling needs a PRNG key")
-  p_BxK1xV = filtered_probs(logits_BxK1xV, temperature=temperature, top_k=top_k, top_p=top_p)
-  p_d = jnp.take_along_axis(p_BxK1xV[:, :k], drafts_BxK[..., None], axis=-1)[..., 0]
-  q_d = jnp.take_along_axis(draft_probs_BxKxV, drafts_BxK[..., None], axis=-1)[..., 0]
-  key_u, key_next = jax.random.split(key)
-  u_BxK = jax.random.uniform(key_u, drafts_BxK.shape)
-  # u < p/q written without the division: q_d > 0 for any token the draft could have drawn.
-  a_B = _first_rejection(u_BxK * q_d < p_d)
-  q_pad = jnp.concatenate([draft_probs_BxKxV, jnp.zeros_like(p_BxK1xV[:, :1])], axis=1)
-  residual_BxV = _residual(_at(p_BxK1xV, a_B), _at(q_pad, a_B))
-  next_B = jax.random.categorical(key_next, jnp.log(residual_BxV), axis=-1).astype(jnp.int32)
-  return a_B, next_B
+  b = drafts_BxK.shape[0]
+  return verify_rows(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV, jax.random.split(key, b),
+                     RowSampling.uniform(b, *validate.sampling(temperature, top_k, top_p)))
 
 
 def verify_rows(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV, keys_B, rows: RowSampling, num_drafts_B=None):
@@ -130,6 +128,33 @@ def verify_rows(logits_BxK1xV, drafts_BxK, draft_probs_BxKxV, keys_B, rows: RowS
   residual_BxV = _residual(_at(p_BxK1xV, a_B), _at(q_pad, a_B))
   next_B = jax.vmap(lambda key, r: jax.random.categorical(jax.random.fold_in(key, 1), jnp.log(r)))(keys_B, residual_BxV)
   return a_B, next_B.astype(jnp.int32)
+
+
+def verify_gumbel(logits_BxK1xV, drafts_BxK, draws: Draws | None, num_drafts_B=None):
+  """Gumbel acceptance: the target's token at each position is the argmax of its perturbed scores
+  (`Draws.scores`: log p + the row's noise at that output position), and a draft is accepted while
+  it equals that token. The next token is the target's at the first mismatch (or after the last
+  draft), so every emitted token is the one plain sampling with the same key draws at its
+  position: the output does not depend on the drafts, their number or the neighbours. Drafts
+  drawn with the same noise (`Draws.sample` on the NOISE_TARGET stream) match whenever both
+  distributions pick the same token under it. A greedy row is `verify_greedy`.
+
+  Args:
+    logits_BxK1xV: float32[B, k + 1, V] target logits at [last token, d_1..d_k]; drafts_BxK: int32[B, k].
+    draws: `Draws` of the target stream whose positions are the output positions of d_1 (the
+      token after `last`); None: every row greedy.
+    num_drafts_B: int32[B] in 0..k (default k): drafts row b verifies.
+  Returns (num_accepted int32[B], next_token int32[B]).
+  """
+  logits_BxK1xV, drafts_BxK, _ = _check(logits_BxK1xV, drafts_BxK)
+  b, k = drafts_BxK.shape
+  scores = logits_BxK1xV if draws is None else draws.scores(logits_BxK1xV)
+  target_BxK1 = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+  ok_BxK = drafts_BxK == target_BxK1[:, :k]
+  if num_drafts_B is not None:
+    ok_BxK &= jnp.arange(k)[None] < jnp.asarray(num_drafts_B, jnp.int32)[:, None]
+  a_B = _first_rejection(ok_BxK)
+  return a_B, jnp.take_along_axis(target_BxK1, a_B[:, None], axis=1)[:, 0]
 
 
 def _positive_temperature(temperature, rule):
@@ -252,8 +277,20 @@ def verify_tree_sampling(logits_BxN1xV, tree_tokens_BxN, draft_probs_BxMxV, key,
   Returns:
     (num_accepted int32[B], next_token int32[B], path int32[B, k + 1]) as verify_tree_greedy.
   """
-  tree = check_tree(tree)
   _positive_temperature(temperature, "verify_tree_sampling")
+  if key is None:
+    raise validate.InvalidValue("key", "verify_tree_sampling needs a PRNG key")
+  b = validate.array("logits", logits_BxN1xV, (None, None, None), kind="float", dims="[B, N + 1, V]").shape[0]
+  return verify_tree_rows(logits_BxN1xV, tree_tokens_BxN, draft_probs_BxMxV, jax.random.split(key, b),
+                          RowSampling.uniform(b, *validate.sampling(temperature, top_k, top_p)), tree)
+
+
+def verify_tree_rows(logits_BxN1xV, tree_tokens_BxN, draft_probs_BxMxV, keys_B, rows: RowSampling,
+                     tree: TreeSpec, num_drafts_B=None):
+  """`verify_tree_sampling` with each row's own settings (rows: `RowSampling`, temperature 0:
+  greedy, where it is `verify_tree_greedy`), key (keys_B: a key per row) and depth cap
+  (num_drafts_B: int32[B] in 0..depth, default the tree's depth: the walk stops there)."""
+  tree = check_tree(tree)
   n1, m = tree.num_nodes + 1, tree.starts[tree.depth]
   logits_BxN1xV = validate.array("logits", logits_BxN1xV, (None, n1, None), kind="float", dims=f"[B, N + 1 = {n1}, V]")
   b, _, v = logits_BxN1xV.shape
@@ -263,31 +300,53 @@ def verify_tree_sampling(logits_BxN1xV, tree_tokens_BxN, draft_probs_BxMxV, key,
   check_tree(tree, vocab_size=v)
   _check_values(v, logits=logits_BxN1xV, drafts=tree_tokens_BxN, draft_probs=draft_probs_BxMxV,
                 drafts_name="tree_tokens")
-  if key is None:
-    raise validate.InvalidValue("key", "verify_tree_sampling needs a PRNG key")
-  p_BxN1xV = filtered_probs(logits_BxN1xV, temperature=temperature, top_k=top_k, top_p=top_p)
+  cap_B = jnp.full((b,), tree.depth, jnp.int32) if num_drafts_B is None else jnp.asarray(num_drafts_B, jnp.int32)
+  p_BxN1xV = row_probs(jnp.asarray(logits_BxN1xV), rows)
   tokens_BxN1 = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), jnp.asarray(tree_tokens_BxN, jnp.int32)], axis=1)
   at = lambda x_BxNx, n_B: jnp.take_along_axis(x_BxNx, n_B.reshape((b,) + (1,) * (x_BxNx.ndim - 1)), axis=1)[:, 0]
-  keys = iter(jax.random.split(key, sum(tree.widths) + 1))
+  # One uniform per child tried, then the last draw: each from the row's own key.
+  u_BxC = jax.vmap(lambda key: jax.random.uniform(jax.random.fold_in(key, 0), (sum(tree.widths),)))(keys_B)
   cur_B = jnp.zeros((b,), jnp.int32)
   walking_B = jnp.ones((b,), bool)  # still descending: every node so far accepted
   r_BxV = p_BxN1xV[:, 0]
+  c = 0
   for d in range(1, tree.depth + 1):
     w = tree.widths[d - 1]
-    q_BxV = at(draft_probs_BxMxV, cur_B)
+    walking_B = walking_B & (d <= cap_B)
+    q_BxV = at(jnp.asarray(draft_probs_BxMxV), cur_B)
     first_B = tree.starts[d] + (cur_B - tree.starts[d - 1]) * w
     moved_B = jnp.zeros((b,), bool)
     for j in range(w):
       child_B = first_B + j
       x_B = at(tokens_BxN1, child_B)
-      u_B = jax.random.uniform(next(keys), (b,))
       trying_B = walking_B & ~moved_B
       # u < r/q without the division: q(x) > 0 for any token the draft could have drawn.
-      ok_B = trying_B & (u_B * at(q_BxV, x_B) < at(r_BxV, x_B))
+      ok_B = trying_B & (u_BxC[:, c] * at(q_BxV, x_B) < at(r_BxV, x_B))
+      c += 1
       r_BxV = jnp.where((trying_B & ~ok_B)[:, None], _residual(r_BxV, q_BxV), r_BxV)
       cur_B = jnp.where(ok_B, child_B, cur_B)
       moved_B = moved_B | ok_B
     r_BxV = jnp.where(moved_B[:, None], at(p_BxN1xV, cur_B), r_BxV)
     walking_B = walking_B & moved_B
-  next_B = jax.random.categorical(next(keys), jnp.log(r_BxV), axis=-1).astype(jnp.int32)
-  return jnp.asarray(tree.depths)[cur_B], next_B, jnp.asarray(tree.paths)[cur_B]
+  next_B = jax.vmap(lambda key, r: jax.random.categorical(jax.random.fold_in(key, 1), jnp.log(r)))(keys_B, r_BxV)
+  return jnp.asarray(tree.depths)[cur_B], next_B.astype(jnp.int32), jnp.asarray(tree.paths)[cur_B]
+
+
+def verify_tree_gumbel(logits_BxN1xV, tree_tokens_BxN, draws: Draws | None, tree: TreeSpec, num_drafts_B=None):
+  """Gumbel acceptance over a draft tree: `verify_tree_greedy` on the target's perturbed scores
+  (a node of depth d gives the token at output position draws.positions + d), so the accepted
+  path is the target's own draws and the output is plain sampling's with the same key, whatever
+  the tree. Children drawn as the top-w of the drafter's perturbed scores under the same noise
+  (Gumbel-top-k: draws without replacement) hold the target's token whenever it is among them.
+
+  Args and returns as `verify_tree_greedy`; draws: `Draws` of the target stream at the output
+  position after the root (None: every row greedy); num_drafts_B: int32[B] in 0..depth (default the depth): nodes deeper
+  than a row's cap are not accepted.
+  """
+  logits_BxN1xV, tree_tokens_BxN, tree = _check_tree_args(logits_BxN1xV, tree_tokens_BxN, tree)
+  scores = logits_BxN1xV if draws is None else draws.scores(logits_BxN1xV, tree.depths)
+  target_BxN1 = jnp.argmax(scores, axis=-1).astype(jnp.int32)
+  ok_BxN = tree_tokens_BxN == target_BxN1[:, tree.parents[1:]]
+  if num_drafts_B is not None:
+    ok_BxN &= jnp.asarray(tree.depths[1:])[None] <= jnp.asarray(num_drafts_B, jnp.int32)[:, None]
+  return _deepest_accepted(ok_BxN, target_BxN1, tree)

@@ -351,7 +351,7 @@ class TestErrors:
         engine.add_request([1], 3, **kwargs)
       assert e.value.argument == name, kwargs
     relaxed = Engine(TARGET5, PROPOSER5, **SETTINGS, relaxed=(2, 0.1))
-    with pytest.raises(ValueError, match="temperature is engine-wide on a tree or relaxed engine"):
+    with pytest.raises(ValueError, match="a relaxed engine's requests are greedy"):
       relaxed.add_request([1], 3, temperature=0.5)
     with pytest.raises(ValueError, match=r"draft_policy serves num_drafts=\"auto\" with a proposer of K=3 drafts"):
       Engine(TARGET5, PROPOSER5, **dict(SETTINGS, draft_policy=DraftPolicy(K)))  # SETTINGS: num_drafts=K

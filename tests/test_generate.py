@@ -1,5 +1,6 @@
 """The serving loop: greedy speculative == greedy autoregressive, lossless sampling end to end, stats, errors."""
 
+import dataclasses
 import importlib
 import itertools
 
@@ -15,7 +16,7 @@ from mtp_jax import verify
 from test_verify import _chi2_pvalue
 
 # The submodule, not the function of the same name that mtp_jax exports.
-step_lib = importlib.import_module("mtp_jax.serving.step")
+parts_lib = importlib.import_module("mtp_jax.serving.parts")
 
 K = 3
 
@@ -90,36 +91,47 @@ def _forward(target, seqs_BxT):
   return target(seqs_BxT, jnp.broadcast_to(jnp.arange(t), (b, t)), jnp.ones((b, t), bool), None)[0]
 
 
-def _sampled_joint(target, proposer, prompt, n, copies, seed):
-  out = mtp_jax.generate(target, proposer, [prompt] * copies, n, num_drafts=2, temperature=1.0, seed=seed)
+def _sampled_joint(target, proposer, prompt, n, copies, seed, acceptance):
+  out = mtp_jax.generate(target, proposer, [prompt] * copies, n, num_drafts=2, temperature=1.0, seed=seed,
+                         acceptance=acceptance)
   counts = {}
   for toks in out.tokens:
     counts[tuple(toks)] = counts.get(tuple(toks), 0) + 1
   return counts
 
 
+def _wrong_residual(logits, drafts, q, keys, rows, caps):
+  """Rejection sampling whose correction ignores the residual: biased."""
+  a, _ = verify.verify_rows(logits, drafts, q, keys, rows, caps)
+  at = jnp.take_along_axis(logits, a[:, None, None], axis=1)[:, 0]
+  return a, jax.vmap(lambda key, x: jax.random.categorical(jax.random.fold_in(key, 7), x))(keys, at).astype(jnp.int32)
+
+
+def _wrong_positions(logits, drafts, draws, caps):
+  """Gumbel acceptance whose noise is that of the step's first position at every position: biased."""
+  return verify.verify_gumbel(logits, drafts, dataclasses.replace(draws, positions=draws.positions * 0), caps)
+
+
 @pytest.mark.slow
-def test_speculative_sampling_matches_target_distribution(monkeypatch):
+@pytest.mark.parametrize("acceptance, rule, wrong", [("gumbel", "verify_gumbel", _wrong_positions),
+                                                     ("rejection", "verify_rows", _wrong_residual)])
+def test_speculative_sampling_matches_target_distribution(monkeypatch, acceptance, rule, wrong):
   """3 tokens over a 3-token vocabulary (27 outcomes): the speculative loop samples the target's
-  joint distribution; the same loop with a wrong residual rule is caught by the same test."""
+  joint distribution under either acceptance rule; the same loop with a wrong rule is caught by
+  the same test."""
   v, n, copies = 3, 3, 3000
   target, proposer = _models(v, seed=2)
   prompt = [0, 1, 2, 1]
   exact = _exact_joint(target, prompt, v, n)
   keys = sorted(exact)
   p = np.array([exact[c] for c in keys])
-  counts = _sampled_joint(target, proposer, prompt, n, copies, seed=0)
+  counts = _sampled_joint(target, proposer, prompt, n, copies, 0, acceptance)
   assert _chi2_pvalue(np.array([counts.get(c, 0) for c in keys]), p) > 1e-3
 
-  def wrong(logits, drafts, q, key, *, temperature, top_k=None, top_p=None):
-    a, _ = verify.verify_sampling(logits, drafts, q, key, temperature=temperature)
-    at = jnp.take_along_axis(logits, a[:, None, None], axis=1)[:, 0]
-    return a, jax.random.categorical(jax.random.fold_in(key, 7), at / temperature).astype(jnp.int32)
-
-  monkeypatch.setattr(step_lib, "verify_sampling", wrong)
+  monkeypatch.setattr(parts_lib, rule, wrong)
   # One copy fewer: a new shape, so the loop is traced again with the wrong rule (clearing
   # every cache instead would make the tests after this one compile again).
-  counts = _sampled_joint(target, proposer, prompt, n, copies - 1, seed=0)
+  counts = _sampled_joint(target, proposer, prompt, n, copies - 1, 0, acceptance)
   assert _chi2_pvalue(np.array([counts.get(c, 0) for c in keys]), p) < 1e-6
 
 
@@ -153,14 +165,16 @@ class TestErrors:
 
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_greedy_step_does_no_prng_work(temperature):
-  """The greedy decode step draws nothing, so it must not split keys (threefry on CPU)."""
+  """A step whose slots are all greedy (sampled=False) draws nothing, so it must not derive keys
+  (threefry on CPU)."""
   k = 2
   step = serving.DecodeStep(serving.StepSettings(num_drafts=k, max_new_tokens=8, max_len=64,
-                                                 sampling=serving.Sampling(temperature)))
+                                                 sampled=temperature > 0))
   prompts = np.array([[1, 2, 3, 0]], np.int32)
-  s = step.init(TARGET5, PROPOSER5, None, 1, jax.random.key(0))
+  s = step.init(TARGET5, PROPOSER5, None, 1)
   s = serving.jit_prefill(step, TARGET5, PROPOSER5, None, s, prompts, np.array([3], np.int32), np.ones(1, bool),
-                          np.zeros(1, bool), np.array([8], np.int32))
+                          np.zeros(1, bool), np.array([8], np.int32),
+                          serving.SlotSettings.uniform(1, num_drafts=k, temperature=temperature))
   jaxpr = str(jax.make_jaxpr(lambda s: step(TARGET5, PROPOSER5, None, s))(s))
   prng = [p for p in ("random_bits", "threefry", "random_split", "random_fold_in") if p in jaxpr]
   # Sampling does draw: the check is live, not vacuous.

@@ -135,20 +135,27 @@ def test_paged_sampling_matches_target_distribution(drafter):
 
 def test_decode_step_picks_its_parts_once():
   st = serving.StepSettings(num_drafts=3, max_new_tokens=8, max_len=64)
+  parts = serving.parts
   picks = {
-      "plain": (dict(num_drafts=0), serving.step.VerifyPlain),
-      "greedy": ({}, serving.step.VerifyGreedy),
-      "sampling": (dict(sampling=serving.Sampling(0.7)), serving.step.VerifySampling),
-      "relaxed": (dict(relaxed=serving.Relaxed(2, 0.1)), serving.step.VerifyRelaxed),
-      "tree": (dict(tree=TREE), serving.step.VerifyTreeGreedy),
-      "tree_sampling": (dict(tree=TREE, sampling=serving.Sampling(0.7)), serving.step.VerifyTreeSampling),
-      "tree_relaxed": (dict(tree=TREE, relaxed=serving.Relaxed(2, 0.1)), serving.step.VerifyTreeRelaxed),
+      "plain": (dict(num_drafts=0), parts.VerifyPlain(False)),
+      "greedy": ({}, parts.VerifyChain(False, "gumbel")),
+      "gumbel": (dict(sampled=True), parts.VerifyChain(True, "gumbel")),
+      "rejection": (dict(sampled=True, acceptance="rejection"), parts.VerifyChain(True, "rejection")),
+      "relaxed": (dict(relaxed=serving.Relaxed(2, 0.1)), parts.VerifyRelaxed(2, 0.1)),
+      "tree": (dict(tree=TREE), parts.VerifyTree(TREE, False, "gumbel")),
+      "tree_rejection": (dict(tree=TREE, sampled=True, acceptance="rejection"),
+                         parts.VerifyTree(TREE, True, "rejection")),
+      "tree_relaxed": (dict(tree=TREE, relaxed=serving.Relaxed(2, 0.1)), parts.VerifyTreeRelaxed(TREE, 2, 0.1)),
   }
-  for name, (changes, cls) in picks.items():
+  for name, (changes, want) in picks.items():
     step = serving.DecodeStep(st).replace(**changes)
-    assert type(step.verifier) is cls, name
+    assert step.verifier == want, name
     assert (step.drafter is None) == (name == "plain")
   assert hash(serving.DecodeStep(st)) == hash(serving.DecodeStep(st))  # a static jit argument
+  with pytest.raises(ValueError, match="relaxed acceptance is a greedy option"):
+    serving.StepSettings(num_drafts=3, max_new_tokens=8, max_len=64, sampled=True, relaxed=serving.Relaxed(2, 0.1))
+  with pytest.raises(ValueError, match="acceptance must be one of"):
+    serving.StepSettings(num_drafts=3, max_new_tokens=8, max_len=64, acceptance="best")
 
 
 # --- on a mesh: 4 host CPU devices in a child process ------------------------------------------

@@ -241,9 +241,10 @@ def test_tree_accepts_at_least_what_the_chain_does_per_step():
     prompts_BxT[i, :len(p)] = p
 
   def start(step):  # the prefill generate runs, from the same key
-    s = step.init(TARGET5, PROPOSER5, None, 2, jax.random.key(0))
+    s = step.init(TARGET5, PROPOSER5, None, 2)
     return serving.jit_prefill(step, TARGET5, PROPOSER5, None, s, prompts_BxT, lens, np.ones(2, bool),
-                               np.zeros(2, bool), np.full(2, 8, np.int32))
+                               np.zeros(2, bool), np.full(2, 8, np.int32),
+                               serving.SlotSettings.uniform(2, num_drafts=3))
 
   s_c, s_t = start(chain), start(trees)
   assert (np.asarray(s_t.drafts)[:, [0, 2, 6]] == np.asarray(s_c.drafts)).all()  # the first-child path

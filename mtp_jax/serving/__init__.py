@@ -1,6 +1,8 @@
 """Serving: the decode step at the bottom, `generate` and the continuous-batching `Engine` above it.
 
     options.py   StepSettings and its parts (Sampling, Relaxed, Paging): typed, frozen, static
+    state.py     LoopState and SlotSettings: what a step carries, each slot's request settings
+    parts.py     the verifiers and the drafter a step picks once from its settings
     step.py      DecodeStep: drafter + verifier over the models' caches; prefill, step, run
     generate.py  generate: one fixed batch to its end
     engine.py    Engine: requests come and go, slots refilled as they free
@@ -8,13 +10,15 @@
 """
 
 from mtp_jax.serving.options import Paging, Relaxed, Sampling, StepSettings
-from mtp_jax.serving.step import (DecodeStep, Drafter, LoopState, Verdict, jit_prefill, jit_run, jit_step,
-                                  pick_verifier)
+from mtp_jax.serving.state import LoopState, SlotSettings
+from mtp_jax.serving.parts import Drafter, Verdict, pick_verifier
+from mtp_jax.serving.step import DecodeStep, jit_prefill, jit_run, jit_step
 from mtp_jax.serving import generate as generate_lib
 from mtp_jax.serving.generate import GenerateOutput, generate
 from mtp_jax.serving.engine import DraftPolicy, Engine, QueueFull, Request
 from mtp_jax.serving.metrics import prometheus_text
 
-__all__ = ["Paging", "Relaxed", "Sampling", "StepSettings", "DecodeStep", "Drafter", "LoopState", "Verdict",
+__all__ = ["Paging", "Relaxed", "Sampling", "StepSettings", "DecodeStep", "Drafter", "LoopState",
+           "SlotSettings", "Verdict",
            "jit_prefill", "jit_run", "jit_step", "pick_verifier", "generate_lib", "GenerateOutput", "generate",
            "DraftPolicy", "Engine", "QueueFull", "Request", "prometheus_text"]

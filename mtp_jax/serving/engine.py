@@ -17,9 +17,11 @@ state as per-slot arrays (`SlotSettings`), so any mix runs one compiled step. `s
 Every jitted call donates the loop state, so the caches are updated in place. Host work per
 step is one read (tokens, counters and the next step's page need). Greedy output per request
 equals `generate` run on that request alone: a slot's rows, pages and counters are its own, and
-the step masks the rest. A sampled request's tokens depend on its seed and its own draft count
-only: each slot draws from its own key stream (with num_drafts="auto" the count follows the load,
-so the tokens may too; their distribution does not).
+the step masks the rest. A sampled request's token at output position n is its draw keyed by
+(its key, n): with Gumbel acceptance (the default) its tokens equal `generate` sampling it alone
+with proposer None and the same seed, whatever num_drafts ("auto" included), tree, neighbours or
+admission step; with acceptance="rejection" they follow its draft counts (their distribution
+does not).
 
 Speculation adapts (`num_drafts="auto"`, `DraftPolicy`): before each call the engine picks how
 many drafts the target verifies from the running requests' count, the measured acceptance per
@@ -47,10 +49,10 @@ from mtp_jax.serving import options
 from mtp_jax.serving.metrics import Samples
 from mtp_jax.serving.generate import MIN_CAPACITY, padded_prompts
 from mtp_jax.serving.options import Paging, StepSettings
-from mtp_jax.sampling import RowSampling
-from mtp_jax.serving.step import (EOS_PER_SLOT, DecodeStep, SlotSettings, jit_free, jit_prefill_part,
-                                  jit_prefill_slots, jit_run_for, jit_run_for_slots, jit_span_needed,
-                                  jit_span_needed_on)
+from mtp_jax.sampling import RowSampling, row_key
+from mtp_jax.serving.state import EOS_PER_SLOT, SlotSettings
+from mtp_jax.serving.step import (DecodeStep, jit_free, jit_prefill_part, jit_prefill_slots, jit_run_for,
+                                  jit_run_for_slots, jit_span_needed, jit_span_needed_on)
 from mtp_jax.target import TargetModel
 from mtp_jax.tree import TreeSpec
 
@@ -211,11 +213,12 @@ class Engine:
     num_drafts: "auto" (the default with a proposer; see `DraftPolicy`): the proposer drafts its
       K and each step verifies as many as pay. An int k in 1..K: it drafts k and verifies k
       (requests may ask for 0..k). 0: requests decode without drafts unless they ask for some.
+      A tree engine drafts its tree; a request's num_drafts caps the depth it accepts.
     temperature, top_k, top_p, eos_token_id, seed: the requests' defaults (`add_request`
-      overrides each). A request's default seed is the engine's seed folded with
-      its id.
-    relaxed, tree: as for `generate`; such an engine decodes every request with its engine-wide
-      settings (sampling, num_drafts, end token), which `add_request` then refuses to override.
+      overrides each). A request with a seed draws with `sampling.row_key(seed)` (as `generate`
+      draws a lone prompt); one without, with the key of its id under the engine's seed.
+    acceptance: how sampled requests' drafts are verified, "gumbel" or "rejection" (see `generate`).
+    relaxed, tree: as for `generate` (a relaxed engine's requests are greedy).
     grammar: the default `mtp_jax.grammar.Grammar` of requests (constrained by default; needs
       eos_token_id equal to its own); `add_request(grammar=)` takes any other.
     mesh: a `mtp_jax.sharding.make_mesh` mesh for the slots' states (shard the params with
@@ -241,15 +244,15 @@ class Engine:
                grammar: grammar_lib.Grammar | None = None, relaxed: tuple[int, float] | None = None,
                tree: TreeSpec | None = None, mesh: jax.sharding.Mesh | None = None,
                max_waiting: int | None = None, steps_per_call: int = 4, prefill_chunk: int | None = None,
-               draft_policy: DraftPolicy | None = None):
-    self.per_slot = tree is None and relaxed is None
-    auto = proposer is not None and self.per_slot and (num_drafts is None or num_drafts == "auto")
+               draft_policy: DraftPolicy | None = None, acceptance: str = "gumbel"):
+    chain = tree is None and relaxed is None
+    auto = proposer is not None and chain and (num_drafts is None or num_drafts == "auto")
     if num_drafts == "auto" and not auto:
       raise validate.InvalidValue("num_drafts", 'num_drafts="auto" needs a proposer and a chain without relaxed '
                                                 "acceptance")
     d = options.decoding(target, proposer, num_drafts=None if auto or num_drafts == 0 else num_drafts,
                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
-                         relaxed=relaxed, tree=tree, grammar=grammar)
+                         relaxed=relaxed, tree=tree, grammar=grammar, acceptance=acceptance)
     max_batch = validate.positive_int("max_batch", max_batch)
     self.max_waiting = validate.optional_int("max_waiting", max_waiting, 0)
     self.steps_per_call = validate.positive_int("steps_per_call", steps_per_call)
@@ -272,16 +275,15 @@ class Engine:
     # budget or span of its own step, applied inside the jitted call, so the state's static fields
     # never change and each function compiles once per step, not once per state layout too.
     self._base = DecodeStep(StepSettings(
-        num_drafts=d.num_drafts, max_new_tokens=max_len, max_len=max_len, sampling=d.sampling,
-        eos_token_id=d.eos_token_id, relaxed=d.relaxed, tree=tree, mesh=mesh, per_slot=self.per_slot,
+        num_drafts=d.num_drafts, max_new_tokens=max_len, max_len=max_len, sampled=d.relaxed is None,
+        acceptance=d.acceptance, relaxed=d.relaxed, tree=tree, mesh=mesh,
         paging=Paging(page_size, num_pages, num_pages)))
     self._step = self._base  # the decode step: its verify width and page span follow the load
     self.grammar = grammar
     self._grammar_eos = None if grammar is None else grammar.eos_token_id  # every grammar of the engine ends so
     self._grammars: list[grammar_lib.Grammar] = []  # the grammars in the union, in its order
     self._union, self._offsets = None, []
-    self._key = jax.random.key(d.seed)  # requests' default keys fold their ids into it
-    self._s = self._base.init(target, proposer, None, max_batch, jax.random.key(d.seed))  # donated: its own buffer
+    self._s = self._base.init(target, proposer, None, max_batch)  # donated: its own buffer
     self._slots: list[int | None] = [None] * max_batch
     self._waiting: collections.deque[int] = collections.deque()
     self._parts: collections.deque[int] = collections.deque()  # running requests whose prompt is written in parts
@@ -312,9 +314,9 @@ class Engine:
     """Queues a request; returns its id. Raises ValueError / TypeError naming the argument and the
     limit, and `QueueFull` when max_waiting requests are already waiting.
 
-    temperature, top_k, top_p, seed, num_drafts (0..K or "auto"), eos_token_ids (at most
-      EOS_PER_SLOT ids): this request's settings; None takes the engine's. A tree or relaxed
-      engine refuses them (its settings are engine-wide).
+    temperature, top_k, top_p, seed, num_drafts (0..K or "auto"; a tree engine: the depth it
+      accepts, 0..depth), eos_token_ids (at most EOS_PER_SLOT ids): this request's settings; None
+      takes the engine's. A relaxed engine's requests are greedy.
     grammar: a `mtp_jax.grammar.Grammar` for this request (default: the engine's); the grammars of
       one engine share their eos_token_id, which ends the request. constrained: False decodes free
       of any grammar, True insists on one.
@@ -325,16 +327,13 @@ class Engine:
     prompt = options.check_prompt("prompt", prompt, v).tolist()
     max_new_tokens = validate.positive_int("max_new_tokens", max_new_tokens)
     deadline_s = None if deadline_s is None else validate.real("deadline_s", deadline_s, 0.0, lo_open=True)
-    given = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, num_drafts=num_drafts,
-                 eos_token_ids=eos_token_ids)
-    named = [name for name, value in given.items() if value is not None]
-    if named and not self.per_slot:
-      raise validate.InvalidValue(named[0], f"{named[0]} is engine-wide on a tree or relaxed engine: pass it to "
-                                            "Engine(...) instead")
     d = self.defaults.sampling
     temperature, top_k, top_p = validate.sampling(d.temperature if temperature is None else temperature,
                                                   d.top_k if top_k is None else top_k,
                                                   d.top_p if top_p is None else top_p)
+    if temperature > 0 and self.defaults.relaxed is not None:
+      raise validate.InvalidValue("temperature", f"a relaxed engine's requests are greedy (relaxed acceptance is "
+                                                 f"lossy and greedy only), got temperature={temperature}")
     seed = None if seed is None else validate.integer("seed", seed, 0, 2**32 - 1)
     num_drafts = self._check_num_drafts(self.num_drafts if num_drafts is None else num_drafts)
     grammar = self._check_grammar(grammar, constrained)
@@ -361,10 +360,7 @@ class Engine:
         raise validate.InvalidValue("num_drafts", 'num_drafts="auto" needs an engine with a proposer and a chain '
                                                   "without relaxed acceptance")
       return num_drafts
-    num_drafts = validate.integer("num_drafts", num_drafts, 0, self.max_drafts)
-    if not self.per_slot and num_drafts != self.max_drafts:
-      raise validate.InvalidValue("num_drafts", f"a tree or relaxed engine drafts num_drafts={self.max_drafts}")
-    return num_drafts
+    return validate.integer("num_drafts", num_drafts, 0, self.max_drafts)
 
   def _check_grammar(self, grammar, constrained) -> grammar_lib.Grammar | None:
     constrained = None if constrained is None else validate.flag("constrained", constrained)
@@ -381,9 +377,7 @@ class Engine:
     if grammar.vocab_size > v:
       raise validate.InvalidValue("grammar", f"grammar has {grammar.vocab_size} tokens, more than the target's "
                                              f"vocab_size={v}")
-    eos = self._grammar_eos
-    if eos is None:
-      eos = grammar.eos_token_id if self.per_slot else self.defaults.eos_token_id
+    eos = grammar.eos_token_id if self._grammar_eos is None else self._grammar_eos
     if grammar.eos_token_id != eos:
       raise validate.InvalidValue("grammar", f"grammar's eos_token_id={grammar.eos_token_id} differs from this "
                                              f"engine's (eos_token_id={eos}): one engine's grammars share one")
@@ -499,8 +493,8 @@ class Engine:
 
   def _set_width(self) -> None:
     """Sets the drafts the next call verifies: the most any running request asks for, "auto" ones
-    as the `DraftPolicy` says (a tree or relaxed engine verifies all it drafts)."""
-    if not self.per_slot:
+    as the `DraftPolicy` says (a tree engine verifies its whole tree, capped per request)."""
+    if self.defaults.tree is not None:
       return
     running = [self.requests[rid] for rid in self._slots if rid is not None]
     k = max((r.num_drafts for r in running if r.num_drafts != "auto"), default=0)
@@ -583,7 +577,7 @@ class Engine:
         gstart_A[i] = self._offsets[self._grammar_index(r.grammar)] + grammar_lib.START
     self._s = jit_prefill_slots(self._paging_for(idx_A, lens_A), self.target, self.proposer, self._union, self._s,
                                 idx_A, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A,
-                                self._slot_settings(admitted, a) if self.per_slot else None)
+                                self._slot_settings(admitted, a))
 
   def _slot_group(self, slots: list[int]) -> np.ndarray:
     """int32[A]: slots, then others (free ones first, untouched by the call) up to a power of two
@@ -607,17 +601,17 @@ class Engine:
 
   def _slot_settings(self, admitted: list[Request], a: int) -> SlotSettings:
     """The admitted requests' settings, in rows 0..len(admitted)-1 of a (the other rows are not
-    used). A request's key: key(seed), else the engine's key folded with its id."""
+    used). A request's key: row_key(seed), else row_key(the engine's seed, its id)."""
     v = self.target.cfg.vocab_size
     temperature, top_k = np.zeros((a,), np.float32), np.zeros((a,), np.int32)
     top_p, caps = np.ones((a,), np.float32), np.zeros((a,), np.int32)
     eos = np.full((a, EOS_PER_SLOT), -1, np.int32)
-    keys = [self._key] * a
+    keys = [row_key(self.defaults.seed)] * a
     for i, r in enumerate(admitted):
       temperature[i], top_k[i], top_p[i] = r.temperature, min(r.top_k or 0, v), 1.0 if r.top_p is None else r.top_p
       caps[i] = self.max_drafts if r.num_drafts == "auto" else r.num_drafts
       eos[i, :len(r.eos_token_ids)] = r.eos_token_ids
-      keys[i] = jax.random.key(r.seed) if r.seed is not None else jax.random.fold_in(self._key, r.id)
+      keys[i] = row_key(r.seed) if r.seed is not None else row_key(self.defaults.seed, r.id)
     return SlotSettings(RowSampling(jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p)),
                         jnp.stack(keys), jnp.asarray(caps), jnp.asarray(eos))
 

@@ -20,8 +20,8 @@ from mtp_jax.blocks.paged import budget_bucket
 from mtp_jax.mtp import MtpModel
 from mtp_jax.serving import options
 from mtp_jax.serving.options import Paging, StepSettings
-from mtp_jax.serving.step import (DecodeStep, LoopState, jit_fits, jit_generate, jit_pages_needed, jit_prefill,
-                                  jit_run, jit_step)
+from mtp_jax.serving.state import LoopState, SlotSettings
+from mtp_jax.serving.step import DecodeStep, jit_fits, jit_generate, jit_pages_needed, jit_prefill, jit_run, jit_step
 from mtp_jax.target import TargetModel
 from mtp_jax.tree import TreeSpec
 
@@ -57,15 +57,21 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
              grammar: grammar_lib.Grammar | None = None, constrained: Sequence[bool] | None = None,
              draft_masks: str = "per_position", mesh: jax.sharding.Mesh | None = None,
              page_size: int | None = None, num_pages: int | None = None,
-             tree: TreeSpec | None = None) -> GenerateOutput:
+             tree: TreeSpec | None = None, acceptance: str = "gumbel") -> GenerateOutput:
   """Speculative decoding with the MTP chain (or plain autoregressive decoding if proposer is None).
 
   Args:
     prompts: B token lists of any lengths (padded to a multiple of 32 internally).
     max_new_tokens: tokens to generate per prompt (fewer if eos_token_id is produced).
     num_drafts: k, 1..K (default K).
-    temperature / top_k / top_p / seed: sampling; temperature 0 is greedy. With temperature > 0,
-      verification is lossless speculative sampling.
+    temperature / top_k / top_p / seed: sampling; temperature 0 is greedy. Prompt i draws with
+      the key `sampling.row_key(seed, i)`, its token at output position n from the noise of
+      (that key, n), so each prompt's tokens are its own whatever the batch.
+    acceptance: how sampled drafts are verified. "gumbel" (default): the drafts share the
+      target's noise and a draft is kept when it equals the target's own draw, so the output
+      equals plain sampling's (proposer None) with the same seed, for every num_drafts and tree.
+      "rejection": lossless speculative sampling, distributed as the target too but with tokens
+      that depend on k (more drafts accepted per step when the drafter's distribution is close).
     max_len: fixed cache rows per sequence, at least the longest prompt + max_new_tokens + k + 1.
       By default the caches start at the padded prompt length + max_new_tokens + k + 1 or the
       next power of two >= MIN_CAPACITY that holds the prompt and a step, whichever is smaller,
@@ -94,8 +100,10 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
     tree: a `mtp_jax.tree.TreeSpec`: the chain drafts a tree of depth k = num_drafts (default
       the tree's depth), the target verifies all its nodes in one call with the tree mask.
       Greedy: the longest path that matches the target's argmax is accepted, so the output
-      equals plain greedy decoding; sampling: multi-candidate rejection sampling
-      (`verify_tree_sampling`), lossless. Grammar masks apply per node, with the state after
+      equals plain greedy decoding; sampling: Gumbel acceptance along the tree (children are the
+      top-w under the target's noise, the output plain sampling's), or with
+      acceptance="rejection" multi-candidate rejection sampling (`verify_tree_sampling`),
+      lossless. Grammar masks apply per node, with the state after
       the node's path.
   Returns:
     GenerateOutput. stats: target_calls (forward passes per sequence, prefill included, summed),
@@ -107,7 +115,7 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
   """
   d = options.decoding(target, proposer, num_drafts=num_drafts, temperature=temperature, top_k=top_k, top_p=top_p,
                        seed=seed, eos_token_id=eos_token_id, relaxed=relaxed, tree=tree, grammar=grammar,
-                       draft_masks=draft_masks)
+                       draft_masks=draft_masks, acceptance=acceptance)
   prompts = options.check_prompts(prompts, target.cfg.vocab_size)
   b = len(prompts)
   longest = max(len(p) for p in prompts)
@@ -140,17 +148,18 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
     first = np.minimum(-(-(lens_B + step_rows) // page_size), full_len // page_size)  # the prefill and a step
     paging = Paging(page_size, num_pages, budget_bucket(int(first.sum()), num_pages))
   step = DecodeStep(StepSettings(
-      num_drafts=d.num_drafts, max_new_tokens=max_new_tokens, max_len=capacity, sampling=d.sampling,
-      eos_token_id=d.eos_token_id, relaxed=d.relaxed, tree=tree, draft_masks=draft_masks, mesh=mesh, paging=paging))
-  key = jax.random.key(d.seed)
+      num_drafts=d.num_drafts, max_new_tokens=max_new_tokens, max_len=capacity, sampled=not d.sampling.greedy,
+      acceptance=d.acceptance, relaxed=d.relaxed, tree=tree, draft_masks=draft_masks, mesh=mesh, paging=paging))
+  slots = SlotSettings.uniform(b, num_drafts=d.num_drafts, temperature=d.sampling.temperature, top_k=d.sampling.top_k,
+                               top_p=d.sampling.top_p, seed=d.seed, eos_token_id=d.eos_token_id)
   if stream is None:
-    s = jit_generate(step, target, proposer, grammar, prompts_BxT, lens_B, gstart_B, key, b)
+    s = jit_generate(step, target, proposer, grammar, prompts_BxT, lens_B, gstart_B, slots, b)
     while not np.asarray(s.done).all():
       step, s = _resize(step, s, full_len)
       s = jit_run(step, target, proposer, grammar, s)
   else:
-    s = jit_prefill(step, target, proposer, grammar, step.init(target, proposer, grammar, b, key), prompts_BxT,
-                    lens_B, np.ones((b,), bool), gstart_B, np.full((b,), max_new_tokens, np.int32))
+    s = jit_prefill(step, target, proposer, grammar, step.init(target, proposer, grammar, b), prompts_BxT,
+                    lens_B, np.ones((b,), bool), gstart_B, np.full((b,), max_new_tokens, np.int32), slots)
     seen = np.zeros(b, np.int64)
     while True:
       num_out, out, done = np.asarray(s.num_out), np.asarray(s.out), np.asarray(s.done)

@@ -22,6 +22,10 @@ from mtp_jax.target import TargetModel
 from mtp_jax.tree import TreeSpec, check_tree
 
 DRAFT_MASKS = ("per_position", "first", "none")
+# How a sampled row accepts drafts: "gumbel" (the drafts share the target's noise and its own
+# draws are kept: seeded output equals plain sampling's, whatever k) or "rejection" (lossless
+# rejection sampling: the maximal coupling, but tokens that follow the number of drafts verified).
+ACCEPTANCES = ("gumbel", "rejection")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,31 +73,32 @@ class StepSettings:
   num_drafts: k drafts per step (a tree's depth), 0 without a proposer. max_new_tokens: the
   device stops a sequence after this many tokens. max_len: cache rows per sequence now
   (contiguous caches grow between jitted calls; paged ones hold it from the start).
-  tree: draft a `TreeSpec` instead of a chain. draft_masks: "per_position", "first" or "none"
-  (see `generate`). mesh: place the states on a ("data", "model") mesh.
-  per_slot: sampling, end tokens and draft counts come per slot from the loop state's `slots`
-  (the Engine's requests; a chain without relaxed acceptance); `sampling` and `eos_token_id` are
-  then unused. verify_drafts: drafts the target verifies per step, 0..num_drafts (default all):
-  the proposer still drafts num_drafts, so the next call may verify any number of them.
+  Sampling settings, keys, draft caps and end tokens are per slot, in the loop state's `slots`;
+  sampled: some slot may sample (False: every slot is greedy and the step draws no noise).
+  acceptance: how sampled slots accept drafts, "gumbel" or "rejection" (ACCEPTANCES).
+  relaxed: LOSSY relaxed acceptance (greedy only). tree: draft a `TreeSpec` instead of a chain.
+  draft_masks: "per_position", "first" or "none" (see `generate`). mesh: place the states on a
+  ("data", "model") mesh. verify_drafts: drafts the target verifies per step, 0..num_drafts
+  (default all): the proposer still drafts num_drafts, so the next call may verify any number
+  of them.
   """
 
   num_drafts: int
   max_new_tokens: int
   max_len: int
-  sampling: Sampling = Sampling()
-  eos_token_id: int | None = None
+  sampled: bool = False
+  acceptance: str = "gumbel"
   relaxed: Relaxed | None = None
   tree: TreeSpec | None = None
   draft_masks: str = "per_position"
   mesh: jax.sharding.Mesh | None = None
   paging: Paging | None = None
-  per_slot: bool = False
   verify_drafts: int | None = None
 
   def __post_init__(self):
-    if self.per_slot and (self.tree is not None or self.relaxed is not None):
-      raise validate.InvalidValue("per_slot", "per-slot settings drive a chain with lossless verification; "
-                                              "tree and relaxed steps take engine-wide settings")
+    validate.one_of("acceptance", self.acceptance, ACCEPTANCES)
+    if self.relaxed is not None and self.sampled:
+      raise validate.InvalidValue("relaxed", "relaxed acceptance is a greedy option: its steps have sampled=False")
     if self.verify_drafts is not None and not 0 <= self.verify_drafts <= self.num_drafts:
       raise validate.InvalidValue("verify_drafts", f"verify_drafts must be in 0..num_drafts={self.num_drafts}, "
                                                    f"got {self.verify_drafts}")
@@ -125,6 +130,7 @@ class Decoding:
   relaxed: Relaxed | None
   tree: TreeSpec | None
   draft_masks: str
+  acceptance: str = "gumbel"
 
   @property
   def rows_per_step(self) -> int:
@@ -133,11 +139,12 @@ class Decoding:
 
 
 def decoding(target, proposer, *, num_drafts, temperature, top_k, top_p, seed, eos_token_id, relaxed=None,
-             tree=None, grammar=None, draft_masks: str = "per_position") -> Decoding:
+             tree=None, grammar=None, draft_masks: str = "per_position", acceptance: str = "gumbel") -> Decoding:
   """The models and the decoding arguments checked; errors name the argument and its limits.
 
   num_drafts defaults to the proposer's depths (or the tree's depth); it must be None without a
-  proposer. Relaxed acceptance is greedy only; a grammar needs eos_token_id equal to its own.
+  proposer. Relaxed acceptance is greedy only; a grammar needs eos_token_id equal to its own;
+  acceptance is one of ACCEPTANCES.
   """
   validate.instance("target", target, TargetModel, "a TargetModel")
   v = target.cfg.vocab_size
@@ -175,6 +182,7 @@ def decoding(target, proposer, *, num_drafts, temperature, top_k, top_p, seed, e
     relaxed = Relaxed(validate.positive_int("relaxed[0]", relaxed[0], v),
                       validate.real("relaxed[1]", relaxed[1], 0.0, 1.0))
   validate.one_of("draft_masks", draft_masks, DRAFT_MASKS)
+  validate.one_of("acceptance", acceptance, ACCEPTANCES)
   if grammar is not None:
     validate.instance("grammar", grammar, grammar_lib.Grammar, "a mtp_jax.grammar.Grammar")
     if eos_token_id is None:
@@ -187,7 +195,8 @@ def decoding(target, proposer, *, num_drafts, temperature, top_k, top_p, seed, e
       raise validate.InvalidValue(
           "grammar", f"grammar has {grammar.vocab_size} tokens, more than the target's vocab_size={v}")
   return Decoding(num_drafts=k, sampling=Sampling(temperature, top_k, top_p), seed=seed,
-                  eos_token_id=eos_token_id, relaxed=relaxed, tree=tree, draft_masks=draft_masks)
+                  eos_token_id=eos_token_id, relaxed=relaxed, tree=tree, draft_masks=draft_masks,
+                  acceptance=acceptance)
 
 
 def check_prompt(name: str, prompt, vocab_size: int) -> np.ndarray:

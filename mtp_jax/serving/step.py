@@ -1,19 +1,25 @@
 """The decode step: target verify + accept + `after_verify` + `propose` as one jitted program.
 
-`DecodeStep(settings)` picks its parts once, on the host, from the static `StepSettings`:
+`DecodeStep(settings)` picks its parts once, on the host, from the static `StepSettings`
+(serving/parts.py):
 
     drafter   `Drafter`: a chain of k drafts or a `TreeSpec` tree (propose, catch_up=False)
-    verifier  `VerifyPlain` (no proposer), `VerifyGreedy`, `VerifySampling`, `VerifyRelaxed`,
-              `VerifyTreeGreedy`, `VerifyTreeSampling`, `VerifyTreeRelaxed` (mtp_jax/verify.py's rules)
+    verifier  `VerifyPlain` (no proposer), `VerifyChain`, `VerifyTree` (Gumbel acceptance or
+              rejection sampling; greedy slots exactly greedy), `VerifyRelaxed`, `VerifyTreeRelaxed`
     caches    the target's and the proposer's states own theirs: dense or paged, GQA or MLA,
               on a mesh or not; the step only asks them for out-of-pages flags, page needs,
               budgets and growth
 
-Per sequence b the loop state keeps `last[b]`, the newest emitted token (not yet run by the
-target), and `drafts[b]`, the k drafts (or N tree nodes) that follow it. A step runs the target
-on [last, drafts], accepts a drafts, emits them and the target's next token, keeps the target
-cache rows of [last, d_1..d_a] (a tree's accepted path is moved into place first), and hands
-the chain exactly those a + 1 positions.
+Per sequence b the loop state (serving/state.py) keeps `last[b]`, the newest emitted token (not
+yet run by the target), and `drafts[b]`, the k drafts (or N tree nodes) that follow it. A step
+runs the target on [last, drafts], accepts a drafts, emits them and the target's next token,
+keeps the target cache rows of [last, d_1..d_a] (a tree's accepted path is moved into place
+first), and hands the chain exactly those a + 1 positions.
+
+Each slot carries its request's settings (`SlotSettings`: sampling, key, draft cap, end tokens),
+`generate`'s rows and the Engine's requests alike. A sampled slot's token at output position n
+is its draw keyed by (its key, n) (`sampling.Draws`), so under Gumbel acceptance its tokens are
+those of plain sampling with its key, whatever was drafted, verified or batched with it.
 
 With a grammar, `grammar_state[b]` is the state after every emitted token (`last` included).
 Verify position i is masked with the state after [emitted, d_1..d_i] (a tree node: after its
@@ -22,18 +28,16 @@ drafts from it. All of it runs on device.
 
 `prefill` admits prompts into chosen slots of a state (all of them for `generate`); the other
 slots pass through untouched. The Engine admits through `prefill_slots` (the admitted slots only
-are computed) and writes long prompts in parts with `prefill_part`. With `StepSettings.per_slot`
-each slot carries its own sampling, key, draft cap and end tokens (`SlotSettings`). `generate`
-and the Engine are drivers over these functions (`jit_prefill`, `jit_prefill_slots`,
-`jit_prefill_part`, `jit_step`, `jit_run`, `jit_run_for`, `jit_run_for_slots`). A call over some
-slots reads a page span sized for theirs (`span_needed_on`).
+are computed) and writes long prompts in parts with `prefill_part`. `generate` and the Engine
+are drivers over these functions (`jit_prefill`, `jit_prefill_slots`, `jit_prefill_part`,
+`jit_step`, `jit_run`, `jit_run_for`, `jit_run_for_slots`). A call over some slots reads a page
+span sized for theirs (`span_needed_on`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import typing
 
 import jax
 import jax.numpy as jnp
@@ -41,237 +45,12 @@ import jax.numpy as jnp
 from mtp_jax import grammar as grammar_lib
 from mtp_jax import proposer as prop
 from mtp_jax import sharding
-from mtp_jax.sampling import RowSampling, row_sample, sample
 from mtp_jax.blocks import Pages
-from mtp_jax.serving.options import Paging, Sampling, StepSettings
-from mtp_jax.target import TargetState, compact_target, init_target_state, reset_target_slots, target_step, trim_target
-from mtp_jax.tree import TreeSpec, node_states
-from mtp_jax.verify import (verify_greedy, verify_relaxed, verify_rows, verify_sampling, verify_tree_greedy,
-                            verify_tree_relaxed, verify_tree_sampling)
-
-EOS_PER_SLOT = 8  # end tokens a slot may have (SlotSettings.eos)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class SlotSettings:
-  """Per-slot settings of a `StepSettings.per_slot` step (the Engine's requests), as arrays.
-
-  sampling: `RowSampling`; keys: a PRNG key per slot, its own stream (a slot's draws depend on its
-  seed and its own steps only, not on its neighbours or when it was admitted); num_drafts int32[B]:
-  drafts the slot's verification reads (0 decodes it without drafts); eos int32[B, EOS_PER_SLOT]:
-  its end tokens, -1 padding.
-  """
-
-  sampling: RowSampling
-  keys: jax.Array
-  num_drafts: jax.Array
-  eos: jax.Array
-
-  @classmethod
-  def free(cls, batch_size: int, key) -> "SlotSettings":
-    """Greedy slots without end tokens, keys split from key."""
-    b = batch_size
-    return cls(RowSampling(jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.int32), jnp.ones((b,), jnp.float32)),
-               jax.random.split(key, b), jnp.zeros((b,), jnp.int32), jnp.full((b, EOS_PER_SLOT), -1, jnp.int32))
-
-  def set(self, **changes) -> "SlotSettings":
-    return dataclasses.replace(self, **changes)
-
-  def where(self, mask_B, other: "SlotSettings") -> "SlotSettings":
-    """Slots of self where mask_B (bool[B]), else other's."""
-    return jax.tree.map(lambda a, b: jnp.where(mask_B.reshape(mask_B.shape + (1,) * (a.ndim - 1)), a, b), self, other)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class LoopState:
-  """Everything a step carries; all arrays per sequence slot (B) unless noted.
-
-  target, proposer: the models' states (proposer None without drafts); last int32[B];
-  drafts int32[B, k] or a tree's int32[B, N]; grammar_state int32[B] after the emitted tokens
-  (None without a grammar); out int32[B, W] emitted tokens, num_out int32[B]; done bool[B]
-  (free slots are done); max_new int32[B]: the slot's token limit; key: the PRNG key;
-  target_calls, verify_calls, accepted (emitted drafts), target_tokens (emitted target tokens):
-  int32[B]; accepted_at int32[k]: steps whose draft i was accepted, proposed_at int32[k]: steps
-  whose draft i was verified (all slots); tree_probs float32[B, M, V]: a sampled tree's draft
-  distributions, else None; slots: `SlotSettings` of a per_slot step, else None.
-  """
-
-  target: TargetState
-  proposer: prop.ProposerState | None
-  last: jax.Array
-  drafts: jax.Array
-  grammar_state: jax.Array | None
-  out: jax.Array
-  num_out: jax.Array
-  done: jax.Array
-  max_new: jax.Array
-  key: jax.Array
-  target_calls: jax.Array
-  verify_calls: jax.Array
-  accepted: jax.Array
-  target_tokens: jax.Array
-  accepted_at: jax.Array
-  proposed_at: jax.Array
-  tree_probs: jax.Array | None = None
-  slots: SlotSettings | None = None
-
-  def set(self, **changes) -> "LoopState":
-    return dataclasses.replace(self, **changes)
-
-  @property
-  def out_of_pages(self) -> jax.Array:
-    """bool[B]: slots refused a page by the target's or the proposer's allocator."""
-    oom_B = self.target.out_of_pages
-    return oom_B if self.proposer is None else oom_B | self.proposer.out_of_pages
-
-
-class Verdict(typing.NamedTuple):
-  """A verifier's answer: accepted int32[B] drafts, the next token int32[B], and for trees the
-  accepted path int32[B, k + 1] (tree nodes by depth, the root first), else None."""
-
-  accepted: jax.Array
-  next_token: jax.Array
-  path: jax.Array | None = None
-
-
-# The verifiers. verify(logits float32[B, R, V] (masked by the grammar), drafts int32[B, R - 1],
-# draft_probs (float32[B, k, V] for a chain, [B, M, V] for a tree, or None when greedy), key (a key
-# per slot for VerifyRows), allowed bool[B, R - 1] (drafts the grammar allows, or None), slots
-# (SlotSettings or None)) -> Verdict.
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifyPlain:
-  """No drafts: the next token is drawn from the target's first row."""
-
-  sampling: Sampling
-
-  def verify(self, logits, drafts, draft_probs, key, allowed, slots) -> Verdict:
-    del drafts, draft_probs, allowed, slots
-    next_B, _ = sample(logits[:, 0], key, **self.sampling.kwargs())
-    return Verdict(jnp.zeros(next_B.shape, jnp.int32), next_B)
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifyGreedy:
-  """The longest draft prefix equal to the target's argmax (`verify_greedy`)."""
-
-  def verify(self, logits, drafts, draft_probs, key, allowed, slots) -> Verdict:
-    return Verdict(*verify_greedy(logits, drafts))
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifySampling:
-  """Lossless speculative sampling (`verify_sampling`)."""
-
-  sampling: Sampling
-
-  def verify(self, logits, drafts, draft_probs, key, allowed, slots) -> Verdict:
-    return Verdict(*verify_sampling(logits, drafts, draft_probs, key, **self.sampling.kwargs()))
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifyRelaxed:
-  """LOSSY relaxed acceptance, capped at the first draft the grammar forbids (`verify_relaxed`)."""
-
-  top_n: int
-  delta: float
-
-  def verify(self, logits, drafts, draft_probs, key, allowed, slots) -> Verdict:
-    return Verdict(*verify_relaxed(logits, drafts, top_n=self.top_n, delta=self.delta, allowed_BxK=allowed))
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifyTreeGreedy:
-  """The deepest tree node whose path equals the target's argmax (`verify_tree_greedy`)."""
-
-  tree: TreeSpec
-
-  def verify(self, logits, drafts, draft_probs, key, allowed, slots) -> Verdict:
-    return Verdict(*verify_tree_greedy(logits, drafts, self.tree))
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifyTreeSampling:
-  """Multi-candidate rejection sampling over the tree (`verify_tree_sampling`), lossless."""
-
-  tree: TreeSpec
-  sampling: Sampling
-
-  def verify(self, logits, drafts, draft_probs, key, allowed, slots) -> Verdict:
-    return Verdict(*verify_tree_sampling(logits, drafts, draft_probs, key, self.tree, **self.sampling.kwargs()))
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifyTreeRelaxed:
-  """LOSSY relaxed acceptance along the tree's paths (`verify_tree_relaxed`)."""
-
-  tree: TreeSpec
-  top_n: int
-  delta: float
-
-  def verify(self, logits, drafts, draft_probs, key, allowed, slots) -> Verdict:
-    return Verdict(*verify_tree_relaxed(logits, drafts, self.tree, top_n=self.top_n, delta=self.delta,
-                                        allowed_BxN=allowed))
-
-
-@dataclasses.dataclass(frozen=True)
-class VerifyRows:
-  """Each slot's own settings, key and draft count (`verify_rows`): lossless sampling, exactly
-  greedy for temperature-0 slots."""
-
-  def verify(self, logits, drafts, draft_probs, key, allowed, slots) -> Verdict:
-    del allowed  # the masked logits give forbidden drafts probability 0: they are rejected
-    if draft_probs is None:  # no proposer: nothing drafted
-      draft_probs = jnp.zeros(drafts.shape + logits.shape[-1:], jnp.float32)
-    return Verdict(*verify_rows(logits, drafts, draft_probs, key, slots.sampling,
-                                jnp.minimum(slots.num_drafts, drafts.shape[1])))
-
-
-Verifier = (VerifyRows | VerifyPlain | VerifyGreedy | VerifySampling | VerifyRelaxed | VerifyTreeGreedy |
-            VerifyTreeSampling | VerifyTreeRelaxed)
-
-
-def pick_verifier(settings: StepSettings) -> Verifier:
-  """The verification rule the settings ask for (chosen once, on the host)."""
-  s, tree, relaxed = settings.sampling, settings.tree, settings.relaxed
-  if settings.per_slot:
-    return VerifyRows()
-  if settings.num_drafts == 0:
-    return VerifyPlain(s)
-  if relaxed is not None:
-    if tree is None:
-      return VerifyRelaxed(relaxed.top_n, relaxed.delta)
-    return VerifyTreeRelaxed(tree, relaxed.top_n, relaxed.delta)
-  if tree is None:
-    return VerifyGreedy() if s.greedy else VerifySampling(s)
-  return VerifyTreeGreedy(tree) if s.greedy else VerifyTreeSampling(tree, s)
-
-
-@dataclasses.dataclass(frozen=True)
-class Drafter:
-  """Drafts with `propose_step` at the loop's fixed k (only the k drafting modules run: catch_up=False):
-  a chain of k drafts, or the `tree`'s N nodes; with a grammar, drafts are masked as
-  draft_masks says ("per_position", "first" or "none", an ablation switch)."""
-
-  num_drafts: int
-  sampling: Sampling
-  tree: TreeSpec | None
-  draft_masks: str
-
-  def draft(self, proposer, grammar, pstate, hid_BxTxD, tokens_BxT, num_new_B, gstate_B, key, rows=None):
-    """(drafts int32[B, k] or the tree's int32[B, N], a sampled tree's float32[B, M, V] or None, new state).
-    rows: per-slot `RowSampling` (key is then a key per slot)."""
-    masked = self.draft_masks != "none" and grammar is not None
-    settings = prop.ProposeSettings(self.num_drafts, **self.sampling.kwargs(), catch_up=False, tree=self.tree,
-                                    grammar_per_position=self.draft_masks == "per_position")
-    drafts, pstate = prop.propose_step(proposer, pstate, hid_BxTxD, tokens_BxT, num_new_B, settings, key,
-                                       grammar if masked else None, gstate_B if masked else None, rows)
-    if self.tree is None:
-      return drafts, None, pstate
-    return drafts.tokens, drafts.probs, pstate
+from mtp_jax.serving.options import Paging, StepSettings
+from mtp_jax.serving.parts import Drafter, Verifier, draw_tokens, pick_verifier
+from mtp_jax.serving.state import LoopState, SlotSettings
+from mtp_jax.target import compact_target, init_target_state, reset_target_slots, target_step, trim_target
+from mtp_jax.tree import node_states
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,7 +69,7 @@ class DecodeStep:
   @functools.cached_property
   def drafter(self) -> Drafter | None:
     st = self.settings
-    return None if st.num_drafts == 0 else Drafter(st.num_drafts, st.sampling, st.tree, st.draft_masks)
+    return None if st.num_drafts == 0 else Drafter(st.num_drafts, st.tree, st.draft_masks, st.sampled, st.acceptance)
 
   def replace(self, **changes) -> "DecodeStep":
     """The step for these settings with `changes` (StepSettings fields)."""
@@ -303,7 +82,7 @@ class DecodeStep:
 
   # -- state --
 
-  def init(self, target, proposer, grammar, batch_size: int, key) -> LoopState:
+  def init(self, target, proposer, grammar, batch_size: int) -> LoopState:
     """A loop state whose slots are all free (done, no rows, no pages; grammar states FREE)."""
     st, b, k = self.settings, batch_size, self.settings.num_drafts
     paged = st.paging is not None
@@ -311,22 +90,26 @@ class DecodeStep:
     tstate = init_target_state(target.cfg, b, st.max_len, **pages)
     pstate = None
     if proposer is not None:
-      # A sampled tree's draft distributions travel in the loop state, not in the proposer's.
-      keep_probs = (st.per_slot or not st.sampling.greedy) and st.tree is None
+      # Rejection sampling reads the drafts' distributions; a tree's travel in the loop state.
+      keep_probs = self._keeps_probs and st.tree is None
       pstate = prop.init_state(proposer.cfg, b, st.max_len, keep_draft_probs=keep_probs, **pages)
     zeros = lambda: jnp.zeros((b,), jnp.int32)  # a buffer each: the state is donated
     tree_probs = None
-    if st.tree is not None and not st.sampling.greedy:
+    if st.tree is not None and self._keeps_probs:
       tree_probs = jnp.zeros((b, st.tree.starts[st.tree.depth], target.cfg.vocab_size), jnp.float32)
     n_drafts = k if st.tree is None else st.tree.num_nodes  # every draft, whatever a step verifies
     s = LoopState(target=tstate, proposer=pstate, last=zeros(), drafts=jnp.zeros((b, n_drafts), jnp.int32),
                   grammar_state=None if grammar is None else jnp.full((b,), grammar_lib.FREE, jnp.int32),
                   out=jnp.zeros((b, self.out_width()), jnp.int32), num_out=zeros(), done=jnp.ones((b,), bool),
-                  max_new=zeros(), key=key, target_calls=zeros(), verify_calls=zeros(), accepted=zeros(),
+                  max_new=zeros(), target_calls=zeros(), verify_calls=zeros(), accepted=zeros(),
                   target_tokens=zeros(), accepted_at=jnp.zeros((k,), jnp.int32),
-                  proposed_at=jnp.zeros((k,), jnp.int32), tree_probs=tree_probs,
-                  slots=SlotSettings.free(b, key) if st.per_slot else None)
+                  proposed_at=jnp.zeros((k,), jnp.int32), slots=SlotSettings.free(b), tree_probs=tree_probs)
     return self.placed(s)
+
+  @property
+  def _keeps_probs(self) -> bool:
+    st = self.settings
+    return st.sampled and st.acceptance == "rejection"
 
   def placed(self, s: LoopState) -> LoopState:
     """s with its states' page budgets and, on a mesh, their shardings as the settings say."""
@@ -379,33 +162,14 @@ class DecodeStep:
 
   # -- on device --
 
-  def _split(self, s: LoopState):
-    """(s with its key(s) carried on, key(s) for the target's token, key(s) for the drafts): per slot,
-    each slot's key splits; else the step's one key, and greedy decoding draws nothing, so it splits
-    nothing (a split is a threefry loop per step on CPU)."""
-    if self.settings.per_slot:
-      keys_Bx3 = jax.vmap(lambda key: jax.random.split(key, 3))(s.slots.keys)
-      return s.set(slots=s.slots.set(keys=keys_Bx3[:, 0])), keys_Bx3[:, 1], keys_Bx3[:, 2]
-    if self.settings.sampling.greedy:
-      return s, None, None
-    key, k_target, k_draft = jax.random.split(s.key, 3)
-    return s.set(key=key), k_target, k_draft
-
   def _emit(self, s: LoopState, new_BxJ, n_emit_B, active_B) -> tuple[LoopState, jax.Array]:
     """Appends new_BxJ[:, :n] to the output, cut at eos and at the slot's max_new; returns (state, n int32[B])."""
-    st = self.settings
     j = new_BxJ.shape[1]
     n = jnp.minimum(n_emit_B, s.max_new - s.num_out)
-    hit_eos_B = jnp.zeros_like(active_B)
-    is_eos = None
-    if s.slots is not None:
-      is_eos = jnp.any(new_BxJ[..., None] == s.slots.eos[:, None, :], axis=-1)
-    elif st.eos_token_id is not None:
-      is_eos = new_BxJ == st.eos_token_id
-    if is_eos is not None:
-      is_eos &= jnp.arange(j)[None] < n[:, None]
-      hit_eos_B = active_B & jnp.any(is_eos, axis=1)
-      n = jnp.where(hit_eos_B, jnp.argmax(is_eos, axis=1) + 1, n)
+    is_eos = jnp.any(new_BxJ[..., None] == s.slots.eos[:, None, :], axis=-1)
+    is_eos &= jnp.arange(j)[None] < n[:, None]
+    hit_eos_B = active_B & jnp.any(is_eos, axis=1)
+    n = jnp.where(hit_eos_B, jnp.argmax(is_eos, axis=1) + 1, n)
     n = jnp.where(active_B, n, 0)
     cols = jnp.where(jnp.arange(j)[None] < n[:, None], s.num_out[:, None] + jnp.arange(j)[None], s.out.shape[1])
     out = s.out.at[jnp.arange(new_BxJ.shape[0])[:, None], cols].set(new_BxJ, mode="drop")
@@ -414,32 +178,27 @@ class DecodeStep:
     return s.set(out=out, num_out=num_out, done=done), n
 
   def prefill(self, target, proposer, grammar, s: LoopState, prompts_BxT, lens_B, admit_B, gstart_B,
-              max_new_B, slots: SlotSettings | None = None) -> LoopState:
+              max_new_B, slots: SlotSettings) -> LoopState:
     """Admits prompts_BxT (int32[B, T], lens_B int32[B] long) into the slots where admit_B (bool[B]):
     writes their prompt rows, emits their first token (from grammar state gstart_B, int32[B]:
     grammar.FREE decodes free of it) and drafts, and stops each after max_new_B (int32[B],
-    <= settings.max_new_tokens) tokens; a per_slot step takes the admitted slots' `slots` too.
-    The other slots' rows, drafts, grammar states, settings and counters are unchanged."""
+    <= settings.max_new_tokens) tokens, with the admitted slots' settings `slots` (SlotSettings:
+    rows where admit_B are read). The other slots' rows, drafts, grammar states, settings and
+    counters are unchanged."""
     b = admit_B.shape[0]
     zero = lambda x: jnp.where(admit_B, 0, x)
     one = admit_B.astype(jnp.int32)
     s = s.set(num_out=zero(s.num_out), done=s.done & ~admit_B, max_new=jnp.where(admit_B, max_new_B, s.max_new),
               target_calls=zero(s.target_calls) + one, verify_calls=zero(s.verify_calls), accepted=zero(s.accepted),
-              target_tokens=zero(s.target_tokens) + one)
-    if slots is not None:
-      s = s.set(slots=slots.where(admit_B, s.slots))
+              target_tokens=zero(s.target_tokens) + one, slots=slots.where(admit_B, s.slots))
     logits, hid, tstate = target_step(target, s.target, prompts_BxT, jnp.where(admit_B, lens_B, 0))
-    running_keys = None if s.slots is None else s.slots.keys
-    s, k_first, k_draft = self._split(s)
-    if running_keys is not None:  # a running slot's stream moves with its own steps only
-      s = s.set(slots=s.slots.set(keys=jnp.where(admit_B, s.slots.keys, running_keys)))
     gstate_B = s.grammar_state
     if grammar is not None:
       gstate_B = jnp.where(admit_B, gstart_B, gstate_B)
     last_logits = jnp.take_along_axis(logits, jnp.maximum(lens_B - 1, 0)[:, None, None], axis=1)[:, 0]
     if grammar is not None:
       last_logits = grammar_lib.apply_mask(last_logits, grammar_lib.token_mask(grammar, gstate_B, logits.shape[-1]))
-    first_B = self._sample(last_logits, s, k_first)
+    first_B = draw_tokens(last_logits, s.slots, s.num_out, self.settings.sampled)  # output position 0
     if grammar is not None:
       gstate_B = jnp.where(admit_B, grammar_lib.advance(grammar, gstate_B, first_B), gstate_B)
     ok_B = admit_B & ~tstate.out_of_pages
@@ -454,7 +213,7 @@ class DecodeStep:
     tokens = jnp.concatenate([prompts_BxT[:, 1:], prompts_BxT[:, :1]], axis=1)
     tokens = tokens.at[jnp.arange(b), jnp.maximum(lens_B - 1, 0)].set(first_B)
     drafts, tree_probs, pstate = self.drafter.draft(proposer, grammar, pstate, hid, tokens, jnp.where(ok_B, lens_B, 0),
-                                                    gstate_B, k_draft, self._rows(s))
+                                                    gstate_B, s.slots, s.num_out)
     keep = lambda new, prev: jnp.where(admit_B.reshape((b,) + (1,) * (new.ndim - 1)), new, prev)
     pstate = pstate.set(num_drafted=keep(pstate.num_drafted, old.num_drafted),
                         draft_probs=None if old.draft_probs is None else keep(pstate.draft_probs, old.draft_probs))
@@ -466,13 +225,12 @@ class DecodeStep:
     """For each leaf of this step's LoopState (flattened order): the axis that runs over the slots,
     or -1 for a leaf all slots share (page pools, the free list, the step key, counters per
     position). Read from the shapes of a 1-slot and a 2-slot state, so no field is listed by hand."""
-    shapes = [jax.tree_util.tree_leaves(jax.eval_shape(lambda: self.init(target, proposer, grammar, b,
-                                                                          jax.random.key(0))))
+    shapes = [jax.tree_util.tree_leaves(jax.eval_shape(lambda: self.init(target, proposer, grammar, b)))
               for b in (1, 2)]
     return [next((i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y), -1) for a, b in zip(*shapes)]
 
   def prefill_slots(self, target, proposer, grammar, s: LoopState, idx_A, prompts_AxT, lens_A, admit_A, gstart_A,
-                    max_new_A, slots: SlotSettings | None = None) -> LoopState:
+                    max_new_A, slots: SlotSettings) -> LoopState:
     """`prefill` over the A slots idx_A (int32[A], distinct) only: the admitted ones are those of
     idx_A where admit_A (bool[A]); prompts_AxT, lens_A, gstart_A, max_new_A and slots are theirs,
     in idx_A's order. The rows of the other B - A slots are not computed (a prefill over all B
@@ -493,9 +251,9 @@ class DecodeStep:
       sub = sub.set(target=tstate)
       if proposer is None:
         return sub
-      # Its drafts are never read (the last part's propose treats them as rejected), so any key will do.
-      key = sub.key if sub.slots is None else sub.slots.keys
-      _, _, pstate = self.drafter.draft(proposer, None, sub.proposer, hid, next_1xT, len_1, None, key, self._rows(sub))
+      # Its drafts are never read (the last part's propose treats them as rejected).
+      _, _, pstate = self.drafter.draft(proposer, None, sub.proposer, hid, next_1xT, len_1, None, sub.slots,
+                                        sub.num_out)
       return sub.set(proposer=pstate)
     return self._on_slots(target, proposer, grammar, s, slot_1, part)
 
@@ -541,15 +299,6 @@ class DecodeStep:
     pstate = None if s.proposer is None else s.proposer.with_page_budget(paging.budget, paging.span)
     return s.set(target=s.target.with_page_budget(paging.budget, paging.span), proposer=pstate)
 
-  def _sample(self, logits_BxV, s: LoopState, key):
-    """int32[B]: a token per slot, with the slots' or the step's sampling settings."""
-    if s.slots is not None:
-      return row_sample(logits_BxV, s.slots.sampling, key)[0]
-    return sample(logits_BxV, key, **self.settings.sampling.kwargs())[0]
-
-  def _rows(self, s: LoopState) -> RowSampling | None:
-    return None if s.slots is None else s.slots.sampling
-
   def _stop_out_of_pages(self, s: LoopState) -> LoopState:
     # A sequence refused a page stops; the others go on (its pages and rows are its own).
     return s.set(done=s.done | s.out_of_pages)
@@ -560,7 +309,6 @@ class DecodeStep:
     k, tree = st.verify_width, st.tree
     b = s.last.shape[0]
     active_B = ~s.done
-    s, k_verify, k_draft = self._split(s)
     drafts_BxK = s.drafts if tree is not None else s.drafts[:, :k]  # the drafts this step verifies
     inp_BxR = jnp.concatenate([s.last[:, None], drafts_BxK], axis=1)  # with a tree: [last, its N nodes]
     old_len = s.target.length
@@ -577,7 +325,7 @@ class DecodeStep:
       allowed_BxN = jnp.take_along_axis(mask_BxRxV[:, parent_of], drafts_BxK[..., None], axis=-1)[..., 0]
     draft_probs = s.tree_probs if tree is not None else (
         None if s.proposer is None or s.proposer.draft_probs is None else s.proposer.draft_probs[:, :k])
-    verdict = self.verifier.verify(logits, drafts_BxK, draft_probs, k_verify, allowed_BxN, s.slots)
+    verdict = self.verifier.verify(logits, drafts_BxK, draft_probs, allowed_BxN, s.slots, s.num_out)
     a_B, next_B = jnp.where(active_B, verdict.accepted, 0), verdict.next_token
     if verdict.path is not None:  # a tree: its accepted path plays the drafts' part
       path_BxK1 = verdict.path
@@ -592,7 +340,7 @@ class DecodeStep:
     s2, n_B = self._emit(s, new_BxK1, a_B + 1, active_B)
     # The target keeps its rows for [last, d_1..d_a]; the rest were rejected.
     tstate = trim_target(tstate, old_len + jnp.where(active_B, a_B + 1, 0))
-    verified_B = k if s.slots is None else jnp.minimum(s.slots.num_drafts, k)
+    verified_B = jnp.minimum(s.slots.num_drafts, k)
     per_position = lambda n_B: jnp.sum(active_B[:, None] & (jnp.arange(k)[None] < jnp.reshape(n_B, (-1, 1))), axis=0)
     s2 = s2.set(target=tstate, last=jnp.where(active_B, next_B, s.last),
                 target_calls=s.target_calls + active_B, verify_calls=s.verify_calls + active_B,
@@ -608,7 +356,8 @@ class DecodeStep:
     pstate = prop.after_verify(s.proposer, a_B)
     num_new = jnp.where(s2.done, 0, a_B + 1)
     drafts, tree_probs, pstate = self.drafter.draft(proposer, grammar, pstate, hid, new_BxK1, num_new,
-                                                    s2.grammar_state, k_draft, self._rows(s2))
+                                                    s2.grammar_state, s2.slots, s2.num_out)
+    tree_probs = None if s.tree_probs is None else tree_probs  # kept for rejection sampling only
     return self._stop_out_of_pages(s2.set(proposer=pstate, drafts=drafts, tree_probs=tree_probs))
 
   def run(self, target, proposer, grammar, s: LoopState) -> LoopState:
@@ -643,13 +392,13 @@ class DecodeStep:
 
 @functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
 def jit_prefill(step: DecodeStep, target, proposer, grammar, s: LoopState, prompts_BxT, lens_B, admit_B,
-                gstart_B, max_new_B, slots=None) -> LoopState:
+                gstart_B, max_new_B, slots: SlotSettings) -> LoopState:
   return step.prefill(target, proposer, grammar, s, prompts_BxT, lens_B, admit_B, gstart_B, max_new_B, slots)
 
 
 @functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
 def jit_prefill_slots(step: DecodeStep, target, proposer, grammar, s: LoopState, idx_A, prompts_AxT, lens_A, admit_A,
-                      gstart_A, max_new_A, slots=None) -> LoopState:
+                      gstart_A, max_new_A, slots: SlotSettings) -> LoopState:
   return step.prefill_slots(target, proposer, grammar, s, idx_A, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A,
                             slots)
 
@@ -706,11 +455,12 @@ def jit_span_needed_on(step: DecodeStep, target, proposer, grammar, s: LoopState
 
 
 @functools.partial(jax.jit, static_argnames=("step", "batch_size"))
-def jit_generate(step: DecodeStep, target, proposer, grammar, prompts_BxT, lens_B, gstart_B, key,
+def jit_generate(step: DecodeStep, target, proposer, grammar, prompts_BxT, lens_B, gstart_B, slots: SlotSettings,
                  batch_size: int) -> LoopState:
-  """A whole batch in one program: a free state, the prefill of every slot, then `run`."""
-  s = step.init(target, proposer, grammar, batch_size, key)
+  """A whole batch in one program: a free state, the prefill of every slot (with its settings
+  `slots`), then `run`."""
+  s = step.init(target, proposer, grammar, batch_size)
   admit_B = jnp.ones((batch_size,), bool)
   max_new_B = jnp.full((batch_size,), step.settings.max_new_tokens, jnp.int32)
-  s = step.prefill(target, proposer, grammar, s, prompts_BxT, lens_B, admit_B, gstart_B, max_new_B)
+  s = step.prefill(target, proposer, grammar, s, prompts_BxT, lens_B, admit_B, gstart_B, max_new_B, slots)
   return step.run(target, proposer, grammar, s)

@@ -1,0 +1,103 @@
+"""What the decode step carries between calls: the per-slot settings and the loop state (pytrees)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from mtp_jax import proposer as prop
+from mtp_jax.sampling import RowSampling, row_keys
+from mtp_jax.target import TargetState
+
+EOS_PER_SLOT = 8  # end tokens a slot may have (SlotSettings.eos)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SlotSettings:
+  """Each slot's request settings, as arrays.
+
+  sampling: `RowSampling`; keys: key[B], each slot's request key (`sampling.row_key`), fixed for
+  the request's life: its draws are keyed by (this key, output position), so they depend on
+  neither its neighbours, nor when it was admitted, nor (with Gumbel acceptance) its drafts;
+  num_drafts int32[B]: drafts the slot's verification reads (0 decodes it without drafts);
+  eos int32[B, EOS_PER_SLOT]: its end tokens, -1 padding.
+  """
+
+  sampling: RowSampling
+  keys: jax.Array
+  num_drafts: jax.Array
+  eos: jax.Array
+
+  @classmethod
+  def free(cls, batch_size: int) -> "SlotSettings":
+    """Greedy slots without end tokens or drafts (their keys are never read)."""
+    b = batch_size
+    return cls(RowSampling.uniform(b), jax.random.split(jax.random.key(0), b), jnp.zeros((b,), jnp.int32),
+               jnp.full((b, EOS_PER_SLOT), -1, jnp.int32))
+
+  @classmethod
+  def uniform(cls, batch_size: int, *, num_drafts: int, temperature: float = 0.0, top_k: int | None = None,
+              top_p: float | None = None, seed: int = 0, eos_token_id: int | None = None) -> "SlotSettings":
+    """batch_size slots with the same settings (values checked by the caller), slot b's key
+    `row_key(seed, b)`: a `generate` batch's."""
+    b = batch_size
+    eos = np.full((b, EOS_PER_SLOT), -1, np.int32)
+    if eos_token_id is not None:
+      eos[:, 0] = eos_token_id
+    return cls(RowSampling.uniform(b, temperature, top_k, top_p), row_keys(seed, b),
+               jnp.full((b,), num_drafts, jnp.int32), jnp.asarray(eos))
+
+  def set(self, **changes) -> "SlotSettings":
+    return dataclasses.replace(self, **changes)
+
+  def where(self, mask_B, other: "SlotSettings") -> "SlotSettings":
+    """Slots of self where mask_B (bool[B]), else other's."""
+    return jax.tree.map(lambda a, b: jnp.where(mask_B.reshape(mask_B.shape + (1,) * (a.ndim - 1)), a, b), self, other)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+  """Everything a step carries; all arrays per sequence slot (B) unless noted.
+
+  target, proposer: the models' states (proposer None without drafts); last int32[B];
+  drafts int32[B, k] or a tree's int32[B, N]; grammar_state int32[B] after the emitted tokens
+  (None without a grammar); out int32[B, W] emitted tokens, num_out int32[B] (also the output
+  position of the next token, which keys its draw); done bool[B] (free slots are done);
+  max_new int32[B]: the slot's token limit; target_calls, verify_calls, accepted (emitted
+  drafts), target_tokens (emitted target tokens): int32[B]; accepted_at int32[k]: steps whose
+  draft i was accepted, proposed_at int32[k]: steps whose draft i was verified (all slots);
+  tree_probs float32[B, M, V]: a tree's draft distributions under rejection sampling, else None;
+  slots: `SlotSettings`.
+  """
+
+  target: TargetState
+  proposer: prop.ProposerState | None
+  last: jax.Array
+  drafts: jax.Array
+  grammar_state: jax.Array | None
+  out: jax.Array
+  num_out: jax.Array
+  done: jax.Array
+  max_new: jax.Array
+  target_calls: jax.Array
+  verify_calls: jax.Array
+  accepted: jax.Array
+  target_tokens: jax.Array
+  accepted_at: jax.Array
+  proposed_at: jax.Array
+  slots: SlotSettings
+  tree_probs: jax.Array | None = None
+
+  def set(self, **changes) -> "LoopState":
+    return dataclasses.replace(self, **changes)
+
+  @property
+  def out_of_pages(self) -> jax.Array:
+    """bool[B]: slots refused a page by the target's or the proposer's allocator."""
+    oom_B = self.target.out_of_pages
+    return oom_B if self.proposer is None else oom_B | self.proposer.out_of_pages
