@@ -9,6 +9,7 @@ import sys
 
 from mtp_jax import demo, grammar, pretrained, train, validate
 from mtp_jax.serving import generate
+from mtp_jax.serving.options import ACCEPTANCES
 from mtp_jax.tree import TreeSpec, check_tree
 
 DEFAULT_DRAFTS = 3
@@ -28,6 +29,12 @@ def _tree(text: str) -> TreeSpec:
     return TreeSpec(tuple(int(w) for w in text.split(",")))
   except (ValueError, TypeError) as e:
     raise argparse.ArgumentTypeError(f"widths like 3,2,1 (children per node at each depth): {e}") from e
+
+
+def _acceptance_flag(p) -> None:
+  p.add_argument("--acceptance", choices=ACCEPTANCES, default="gumbel",
+                 help="how sampled drafts are verified: gumbel (a seed gives plain sampling's tokens, whatever the "
+                      "drafts) or rejection (lossless rejection sampling; tokens follow the draft count)")
 
 
 def _eos(text: str) -> int | str:
@@ -135,7 +142,8 @@ def _generate(args) -> int:
 
   out = generate(target, proposer if num_drafts > 0 else None, [prompt], args.max_new_tokens,
                  num_drafts=num_drafts or None, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                 seed=args.seed, eos_token_id=eos, stream=stream, grammar=constraint, tree=args.tree)
+                 seed=args.seed, eos_token_id=eos, stream=stream, grammar=constraint, tree=args.tree,
+                 acceptance=args.acceptance)
   sys.stdout.write(flush() + "\n")
   print(f"[{out.stats['generated_tokens']} tokens, {out.stats['target_calls']} target calls, "
         f"mean accepted length {out.stats['mean_accepted_length']:.2f}]", file=sys.stderr)
@@ -175,7 +183,7 @@ def _serve(args) -> int:
                   max_len=args.max_len, page_size=args.page_size, num_pages=args.num_pages,
                   num_drafts=num_drafts or None, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   eos_token_id=model.eos_token_id, seed=args.seed, tree=args.tree, max_waiting=args.max_waiting,
-                  steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk)
+                  steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk, acceptance=args.acceptance)
   return server.serve(engine, model, host=args.host, port=args.port, warmup=not args.no_warmup,
                       shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
 
@@ -273,6 +281,7 @@ def build_parser() -> argparse.ArgumentParser:
                  help="with --temperature > 0: sample from the most likely tokens whose probability reaches P "
                       "(0 < P <= 1)")
   p.add_argument("--seed", type=int, default=0, help="random seed of the sampler (0..2**32-1)")
+  _acceptance_flag(p)
   p.add_argument("--eos", type=_eos, default=None, metavar="ID",
                  help="token id that ends the continuation (default the model's EOS); none: never stop early")
   constraint = p.add_mutually_exclusive_group()
@@ -326,6 +335,7 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--top-k", type=int, default=None, metavar="K", help="default top-k filter (with temperature > 0)")
   p.add_argument("--top-p", type=float, default=None, metavar="P", help="default top-p filter (with temperature > 0)")
   p.add_argument("--seed", type=int, default=0, help="random seed of the engine's sampler (0..2**32-1)")
+  _acceptance_flag(p)
   p.add_argument("--eos", type=_eos, default=None, metavar="ID",
                  help="token id that ends a continuation (default the model's EOS); none: never stop early")
   p.add_argument("--tree", type=_tree, default=None, metavar="W1,W2,..",

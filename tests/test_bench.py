@@ -14,6 +14,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import bandwidth  # noqa: E402
+import acceptance  # noqa: E402
 import bench_fp8  # noqa: E402
 import bench_mla  # noqa: E402
 import bench_propose  # noqa: E402
@@ -28,7 +29,7 @@ import vs_transformers  # noqa: E402
 
 SCRIPTS = ("bench_propose.py", "bandwidth.py", "hot_path_ab.py", "scaling.py", "vs_transformers.py", "bench_mla.py",
            "bench_paged.py", "serve_bench.py", "demo_report.py", "bench_fp8.py", "step_breakdown.py",
-           "few_row_dots.py", "serve_http.py")
+           "few_row_dots.py", "serve_http.py", "acceptance.py")
 # Runs each script as __main__ with --help, from "/", in one interpreter (one jax import for all),
 # as `python benchmarks/<script>.py` would.
 _RUN_AS_MAIN = """
@@ -183,6 +184,14 @@ def test_bench_fp8_quick(capsys):
 
 
 @pytest.mark.slow
+def test_acceptance_quick(capsys):
+  """Both rules' accepted lengths, and every Gumbel run equal to plain sampling with its seed."""
+  acceptance.main(["--quick"])
+  out = capsys.readouterr().out
+  rows = [line for line in out.splitlines() if line.startswith("| 1.0 |")]
+  assert len(rows) == 2 and all(line.endswith("| True |") for line in rows), out
+
+
 def test_serve_http_quick(capsys):
   serve_http.main(["--quick"])
   out = capsys.readouterr().out

@@ -104,6 +104,20 @@ def greedy_refs(started):
   return {p: data.decode(t) for p, t in zip(PROMPTS, out.tokens)}
 
 
+@pytest.fixture(scope="module")
+def seeded_refs(started):
+  """Plain sampling (proposer None, batch 1) of the concurrent test's seeded requests, as text:
+  {(prompt, seed): the text of MAX_TOKENS tokens}."""
+  target, _, tok = mtp_jax.load_demo()
+  refs = {}
+  for i in range(2, 32, 4):
+    prompt = PROMPTS[i % len(PROMPTS)]
+    out = mtp_jax.generate(target, None, [tok.encode(prompt, bos=False)], MAX_TOKENS, temperature=0.8, seed=i,
+                           eos_token_id=tok.eos_id)
+    refs[prompt, i] = out.tokens[0]
+  return refs
+
+
 def test_greedy_completion_equals_generate_and_streams_the_same_text(greedy_refs, served):
   assert json.loads(served.get("/health")) == {"status": "ok"}
   assert [m.id for m in served.client.models.list().data] == [MODEL]
@@ -128,7 +142,9 @@ def test_greedy_completion_equals_generate_and_streams_the_same_text(greedy_refs
   assert chunks[-1].choices[0].finish_reason == "stop"
 
 
-def test_concurrent_requests_with_mixed_settings_all_complete(greedy_refs, served):
+def test_concurrent_requests_with_mixed_settings_all_complete(greedy_refs, seeded_refs, served):
+  """32 concurrent requests of mixed settings: greedy ones give generate's text, seeded sampled
+  ones plain sampling's with their seed (under whatever load, width and admission they met)."""
   alone = {p: served.client.completions.create(model=MODEL, prompt=p, max_tokens=MAX_TOKENS).choices[0].text
            for p in PROMPTS}
   assert alone == greedy_refs
@@ -147,13 +163,16 @@ def test_concurrent_requests_with_mixed_settings_all_complete(greedy_refs, serve
 
   with concurrent.futures.ThreadPoolExecutor(32) as pool:
     results = list(pool.map(one, range(32)))
-  greedy = 0
+  greedy = seeded = 0
   for prompt, kwargs, text, finish in results:
     assert finish in ("length", "stop")
     if kwargs.get("temperature", 0.0) == 0.0:
       greedy += 1
       assert text == data.decode(data.encode(alone[prompt], bos=False)[:kwargs["max_tokens"]]), kwargs
-  assert greedy == 16
+    elif "seed" in kwargs:
+      seeded += 1
+      assert text == data.decode(seeded_refs[prompt, kwargs["seed"]][:kwargs["max_tokens"]]), kwargs
+  assert greedy == 16 and seeded == 8
   assert served.metric("requests_running") == served.metric("requests_waiting") == 0
   assert served.metric("pages_in_use") == 0
 
