@@ -43,7 +43,8 @@ from mtp_jax.blocks.cache import write_rows  # noqa: E402
 from mtp_jax.proposer import ProposeSettings, propose_step  # noqa: E402
 from mtp_jax.serving.options import StepSettings  # noqa: E402
 from mtp_jax.serving.state import SlotSettings  # noqa: E402
-from mtp_jax.serving.step import DecodeStep, jit_prefill, jit_step  # noqa: E402
+from mtp_jax.serving.step import DecodeStep  # noqa: E402
+from mtp_jax.serving.jit import jit_prefill, jit_step  # noqa: E402
 from mtp_jax.target import target_step  # noqa: E402
 from mtp_jax.verify import verify_greedy  # noqa: E402
 

@@ -8,7 +8,7 @@ import pytest
 
 import mtp_jax
 from mtp_jax import Engine, grammar
-from mtp_jax.serving.engine import DraftPolicy
+from mtp_jax.serving.policy import DraftPolicy
 
 from test_generate import K, PROPOSER5, TARGET5
 from test_grammar_generate import (BOS, EOS, G, MAX_NEW, PATTERN, PROMPTS, PROPOSER, TARGET, VOCAB,

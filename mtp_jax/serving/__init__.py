@@ -4,7 +4,10 @@
     state.py     LoopState and SlotSettings: what a step carries, each slot's request settings
     parts.py     the verifiers and the drafter a step picks once from its settings
     step.py      DecodeStep: drafter + verifier over the models' caches; prefill, step, run
+    jit.py       the step's jitted entry points (the loop state donated)
     generate.py  generate: one fixed batch to its end
+    policy.py    DraftPolicy: the verify width of num_drafts="auto", from measured times and acceptance
+    requests.py  Request, QueueFull: the Engine's host-side records
     engine.py    Engine: requests come and go, slots refilled as they free
     metrics.py   latency samples and the Prometheus text format of Engine.metrics()
 """
@@ -12,10 +15,13 @@
 from mtp_jax.serving.options import Paging, Relaxed, Sampling, StepSettings
 from mtp_jax.serving.state import LoopState, SlotSettings
 from mtp_jax.serving.parts import Drafter, Verdict, pick_verifier
-from mtp_jax.serving.step import DecodeStep, jit_prefill, jit_run, jit_step
+from mtp_jax.serving.step import DecodeStep
+from mtp_jax.serving.jit import jit_prefill, jit_run, jit_step
 from mtp_jax.serving import generate as generate_lib
 from mtp_jax.serving.generate import GenerateOutput, generate
-from mtp_jax.serving.engine import DraftPolicy, Engine, QueueFull, Request
+from mtp_jax.serving.policy import DraftPolicy
+from mtp_jax.serving.requests import QueueFull, Request
+from mtp_jax.serving.engine import Engine
 from mtp_jax.serving.metrics import prometheus_text
 
 __all__ = ["Paging", "Relaxed", "Sampling", "StepSettings", "DecodeStep", "Drafter", "LoopState",

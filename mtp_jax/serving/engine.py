@@ -32,7 +32,6 @@ any width may follow any other.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -46,158 +45,17 @@ from mtp_jax import validate
 from mtp_jax.blocks.paged import budget_bucket
 from mtp_jax.mtp import MtpModel
 from mtp_jax.serving import options
+from mtp_jax.serving.grammars import GrammarUnion
 from mtp_jax.serving.metrics import Samples
+from mtp_jax.serving.policy import DraftPolicy, programs_built
+from mtp_jax.serving.requests import QueueFull, Request, check_eos, check_grammar, slot_settings
 from mtp_jax.serving.generate import MIN_CAPACITY, padded_prompts
 from mtp_jax.serving.options import Paging, StepSettings
-from mtp_jax.sampling import RowSampling, row_key
-from mtp_jax.serving.state import EOS_PER_SLOT, SlotSettings
-from mtp_jax.serving.step import (DecodeStep, jit_free, jit_prefill_part, jit_prefill_slots, jit_run_for,
-                                  jit_run_for_slots, jit_span_needed, jit_span_needed_on)
+from mtp_jax.serving.step import DecodeStep
+from mtp_jax.serving.jit import (jit_free, jit_prefill_part, jit_prefill_slots, jit_run_for, jit_run_for_slots,
+                                 jit_span_needed, jit_span_needed_on)
 from mtp_jax.target import TargetModel
 from mtp_jax.tree import TreeSpec
-
-
-# JAX traces a jitted function each time it builds a program for it (then compiles it, or reads it
-# from the compilation cache): a call during which this fired spent time building, so its time is
-# not a sample of the step's. Counted for the whole process, so a program another engine built is
-# not mistaken for a build.
-_TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
-_events: collections.Counter = collections.Counter()
-jax.monitoring.register_event_duration_secs_listener(
-    lambda event, seconds, **kwargs: _events.update((event,)) if event == _TRACE_EVENT else None)
-
-
-class QueueFull(RuntimeError):
-  """add_request on an engine whose waiting queue holds max_waiting requests (a server answers 429 / 503)."""
-
-
-@dataclasses.dataclass
-class Request:
-  """One request's host-side record.
-
-  status: "waiting", "running", "finished", "cancelled", "timed_out" (past its deadline_s) or
-  "out_of_pages" (stopped by the device allocator; admission reserves pages, so only an engine
-  built too small sees it).
-  """
-
-  id: int
-  prompt: list[int]
-  max_new_tokens: int
-  grammar: grammar_lib.Grammar | None = None
-  temperature: float = 0.0
-  top_k: int | None = None
-  top_p: float | None = None
-  seed: int | None = None
-  num_drafts: int | str = 0
-  eos_token_ids: tuple[int, ...] = ()
-  tokens: list[int] = dataclasses.field(default_factory=list)
-  status: str = "waiting"
-  slot: int | None = None
-  pages: int = 0  # pages reserved in each pool while running
-  prefilled: int = 0  # prompt tokens written by earlier parts (Engine(prefill_chunk=))
-  verify_calls: int = 0
-  deadline_s: float | None = None
-  arrived_at: float = 0.0
-  last_token_at: float | None = None
-  first_token_at: float | None = None
-  finished_at: float | None = None
-
-  @property
-  def stats(self) -> dict:
-    """accepted_length: tokens per verify step (after the first token); ttft_s: time to first
-    token from add_request; tokens_per_s: generated tokens over the request's whole time."""
-    n = len(self.tokens)
-    end = self.finished_at or time.perf_counter()
-    return dict(prompt_tokens=len(self.prompt), generated_tokens=n, verify_calls=self.verify_calls,
-                accepted_length=(n - 1) / self.verify_calls if self.verify_calls else float("nan"),
-                ttft_s=None if self.first_token_at is None else self.first_token_at - self.arrived_at,
-                tokens_per_s=n / (end - self.arrived_at) if n else 0.0)
-
-
-
-@dataclasses.dataclass
-class DraftPolicy:
-  """How many drafts a step verifies under num_drafts="auto" (host side; an Engine's, or shared).
-
-  It keeps the measured seconds per decode step for each width k = 0..K and batch bucket (running
-  requests rounded up to a power of two) and the drafts accepted and verified per position, and
-  picks the k with the most tokens per second: running x (1 + sum_{i<k} r_i) / seconds(k, bucket),
-  r_i the measured rate at which draft i is accepted when verified (a prior of 0.5^(i + 1) until
-  16 verifications). At a bucket not yet timed the widest width runs first; a width not timed
-  there takes the widest one's time there scaled by their ratio at the nearest bucket that timed
-  both, or is tried when no bucket did (widest first). A width chosen on an estimate is timed as
-  it runs, so an estimate that flattered it is replaced after one call, and a stream's smaller
-  buckets (its tail) do not spend their few calls timing every width. Every 4th call at a bucket
-  runs the runner-up instead when it is within a tenth of the best (call times here move by that
-  much, so such widths are ranked by noise until timed again). A call during which JAX
-  built a program (traced, then compiled or read it from a cache) is not a sample. So a step
-  drafts like k = K where drafts pay (few requests, high acceptance) and less, down to 0, where
-  the wider target forward costs more than the tokens it wins (many requests, low acceptance).
-  Both measurements belong to the models, batch size and machine, not to one engine: an engine
-  built again can start from them (`Engine(draft_policy=)`).
-  """
-
-  max_drafts: int
-  seconds: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> recent calls' (seconds, steps)
-  accepted_at: np.ndarray | None = None  # int64[K]: steps whose draft i was accepted
-  proposed_at: np.ndarray | None = None  # int64[K]: steps whose draft i was verified
-  choices: dict = dataclasses.field(default_factory=dict)  # bucket -> calls chosen by their measured gain
-
-  def __post_init__(self):
-    self.accepted_at = np.zeros((self.max_drafts,), np.int64) if self.accepted_at is None else self.accepted_at
-    self.proposed_at = np.zeros((self.max_drafts,), np.int64) if self.proposed_at is None else self.proposed_at
-
-  @staticmethod
-  def bucket(num_running: int) -> int:
-    return 1 << max(0, num_running - 1).bit_length()
-
-  def choose(self, num_running: int) -> int:
-    b, widest = self.bucket(num_running), self.max_drafts
-    if not self.seconds.get((widest, b)):
-      return widest  # it sets the scale of the bucket's other widths
-    seconds = {}
-    for k in range(widest, -1, -1):
-      seconds[k] = self.step_seconds(k, b) if self.seconds.get((k, b)) else self._estimate(k, b)
-      if seconds[k] is None:
-        return k  # nothing to estimate it from: try it
-    rate = [a / p if p >= 16 else 0.5 ** (i + 1) for i, (a, p) in enumerate(zip(self.accepted_at, self.proposed_at))]
-    gain = {k: (1 + sum(rate[:k])) / seconds[k] for k in range(widest + 1)}
-    best = max(gain, key=gain.get)  # a tie: the narrowest
-    self.choices[b] = self.choices.get(b, 0) + 1
-    if self.choices[b] % 4 == 0:
-      # A call's time moves by a tenth here, so widths within a tenth of the best are ranked by
-      # noise: every 4th call times the nearest of them again rather than trusting old samples.
-      close = [k for k in gain if k != best and gain[k] >= 0.9 * gain[best]]
-      if close:
-        return max(close, key=gain.get)
-    return best
-
-  def _estimate(self, k: int, bucket: int) -> float | None:
-    """Seconds of a step at width k and bucket, not timed there: the widest width's time there
-    times k's ratio to it at the nearest bucket that timed both (None if none did)."""
-    widest = self.max_drafts
-    known = [c for (w, c) in self.seconds if w == k and self.seconds.get((widest, c))]
-    if not known:
-      return None
-    c = min(known, key=lambda c: (abs(c.bit_length() - bucket.bit_length()), -c))
-    return self.step_seconds(widest, bucket) * self.step_seconds(k, c) / self.step_seconds(widest, c)
-
-  def step_seconds(self, k: int, bucket: int) -> float:
-    """Seconds per decode step at width k and batch bucket: the recent calls' time over their steps
-    (a ratio of sums, so a call cut short after one step weighs one step, not a whole call)."""
-    samples = self.seconds[(k, bucket)]
-    return sum(s for s, _ in samples) / sum(n for _, n in samples)
-
-  def record(self, k: int, num_running: int, seconds: float, steps: int = 1) -> None:
-    """One timing sample: a call of `steps` decode steps at width k with num_running requests took seconds."""
-    samples = self.seconds.setdefault((k, self.bucket(num_running)), collections.deque(maxlen=16))
-    samples.append((seconds, steps))
-
-  def observe(self, accepted_at, proposed_at) -> None:
-    """Counts more verifications: accepted_at, proposed_at (K ints each) steps whose draft i was
-    accepted / verified since the last call."""
-    self.accepted_at = self.accepted_at + np.asarray(accepted_at, np.int64)
-    self.proposed_at = self.proposed_at + np.asarray(proposed_at, np.int64)
 
 
 class Engine:
@@ -281,8 +139,7 @@ class Engine:
     self._step = self._base  # the decode step: its verify width and page span follow the load
     self.grammar = grammar
     self._grammar_eos = None if grammar is None else grammar.eos_token_id  # every grammar of the engine ends so
-    self._grammars: list[grammar_lib.Grammar] = []  # the grammars in the union, in its order
-    self._union, self._offsets = None, []
+    self._grammars = GrammarUnion()
     self._s = self._base.init(target, proposer, None, max_batch)  # donated: its own buffer
     self._slots: list[int | None] = [None] * max_batch
     self._waiting: collections.deque[int] = collections.deque()
@@ -336,8 +193,10 @@ class Engine:
                                                  f"lossy and greedy only), got temperature={temperature}")
     seed = None if seed is None else validate.integer("seed", seed, 0, 2**32 - 1)
     num_drafts = self._check_num_drafts(self.num_drafts if num_drafts is None else num_drafts)
-    grammar = self._check_grammar(grammar, constrained)
-    eos = self._check_eos(eos_token_ids, grammar)
+    v = self.target.cfg.vocab_size
+    grammar = check_grammar(grammar, constrained, self.grammar, v, self._grammar_eos)
+    default_eos = () if self.defaults.eos_token_id is None else (self.defaults.eos_token_id,)
+    eos = check_eos(eos_token_ids, grammar, default_eos, v)
     need = len(prompt) + max_new_tokens + self.defaults.rows_per_step
     if need > self.max_len:
       what = "K + 1" if self.defaults.tree is None else "the tree nodes + 1"
@@ -361,43 +220,6 @@ class Engine:
                                                   "without relaxed acceptance")
       return num_drafts
     return validate.integer("num_drafts", num_drafts, 0, self.max_drafts)
-
-  def _check_grammar(self, grammar, constrained) -> grammar_lib.Grammar | None:
-    constrained = None if constrained is None else validate.flag("constrained", constrained)
-    if grammar is not None:
-      validate.instance("grammar", grammar, grammar_lib.Grammar, "a mtp_jax.grammar.Grammar")
-    grammar = grammar if grammar is not None else self.grammar
-    if constrained is False:
-      return None
-    if constrained and grammar is None:
-      raise validate.InvalidValue("constrained", "constrained=True needs a grammar: pass grammar= here or to Engine")
-    if grammar is None:
-      return None
-    v = self.target.cfg.vocab_size
-    if grammar.vocab_size > v:
-      raise validate.InvalidValue("grammar", f"grammar has {grammar.vocab_size} tokens, more than the target's "
-                                             f"vocab_size={v}")
-    eos = grammar.eos_token_id if self._grammar_eos is None else self._grammar_eos
-    if grammar.eos_token_id != eos:
-      raise validate.InvalidValue("grammar", f"grammar's eos_token_id={grammar.eos_token_id} differs from this "
-                                             f"engine's (eos_token_id={eos}): one engine's grammars share one")
-    return grammar
-
-  def _check_eos(self, eos_token_ids, grammar) -> tuple[int, ...]:
-    if eos_token_ids is None:
-      eos = () if self.defaults.eos_token_id is None else (self.defaults.eos_token_id,)
-    else:
-      if isinstance(eos_token_ids, (str, bytes)) or not isinstance(eos_token_ids, (Sequence, np.ndarray)):
-        raise validate.InvalidType("eos_token_ids", "eos_token_ids must be a list of token ids, got "
-                                                    f"{type(eos_token_ids).__name__}")
-      v = self.target.cfg.vocab_size
-      eos = tuple(validate.integer(f"eos_token_ids[{i}]", t, 0, v - 1) for i, t in enumerate(eos_token_ids))
-    if grammar is not None and grammar.eos_token_id not in eos:
-      eos += (grammar.eos_token_id,)  # a grammar's sequences end with its eos
-    if len(set(eos)) > EOS_PER_SLOT:
-      raise validate.InvalidValue("eos_token_ids", f"at most {EOS_PER_SLOT} end tokens per request (the "
-                                                   f"grammar's included), got {len(set(eos))}")
-    return tuple(dict.fromkeys(eos))
 
   def cancel(self, request_id: int) -> None:
     """Drops a waiting request or stops a running one (its slot and pages are freed at once)."""
@@ -476,16 +298,16 @@ class Engine:
     n = 1 if self._waiting and None in self._slots else self.steps_per_call
     self._set_width()
     self._respan(self._step.rows_next(self._s) * self.steps_per_call, self._next_span)
-    step, running, traces, t1 = self._step, self.num_running, _events[_TRACE_EVENT], time.perf_counter()
+    step, running, traces, t1 = self._step, self.num_running, programs_built(), time.perf_counter()
     decoding = [slot for slot, rid in enumerate(self._slots) if rid is not None and rid not in self._parts]
     idx_A = self._slot_group(decoding)
     if len(idx_A) == len(self._slots):
-      self._s = jit_run_for(step, self.target, self.proposer, self._union, self._s, np.int32(n))
+      self._s = jit_run_for(step, self.target, self.proposer, self._grammars.union, self._s, np.int32(n))
     else:
-      self._s = jit_run_for_slots(step, self.target, self.proposer, self._union, self._s, idx_A, np.int32(n))
+      self._s = jit_run_for_slots(step, self.target, self.proposer, self._grammars.union, self._s, idx_A, np.int32(n))
     gained, steps = self._collect()
     now = time.perf_counter()
-    if self.policy is not None and steps and _events[_TRACE_EVENT] == traces:  # else it built a program
+    if self.policy is not None and steps and programs_built() == traces:  # else it built a program
       self.policy.record(step.settings.verify_width, running, now - t1, steps)
     self._steps += 1
     self._step_seconds += now - t0
@@ -556,8 +378,8 @@ class Engine:
     prompt_1xT, len_1 = padded_prompts([req.prompt[done:done + c]], 1, [0])
     next_1xT, _ = padded_prompts([req.prompt[done + 1:done + c + 1]], 1, [0])
     slot_1 = np.asarray([req.slot], np.int32)
-    self._s = jit_prefill_part(self._paging_for(slot_1, len_1), self.target, self.proposer, self._union, self._s,
-                               slot_1, prompt_1xT, len_1, next_1xT)
+    self._s = jit_prefill_part(self._paging_for(slot_1, len_1), self.target, self.proposer, self._grammars.union,
+                               self._s, slot_1, prompt_1xT, len_1, next_1xT)
     req.prefilled += c
 
   def _prefill(self, admitted: list[Request]) -> None:
@@ -574,10 +396,11 @@ class Engine:
     for i, r in enumerate(admitted):
       max_new_A[i] = r.max_new_tokens
       if r.grammar is not None:
-        gstart_A[i] = self._offsets[self._grammar_index(r.grammar)] + grammar_lib.START
-    self._s = jit_prefill_slots(self._paging_for(idx_A, lens_A), self.target, self.proposer, self._union, self._s,
-                                idx_A, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A,
-                                self._slot_settings(admitted, a))
+        gstart_A[i] = self._grammars.start(r.grammar)
+    self._s = jit_prefill_slots(self._paging_for(idx_A, lens_A), self.target, self.proposer, self._grammars.union,
+                                self._s, idx_A, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A,
+                                slot_settings(admitted, a, vocab_size=self.target.cfg.vocab_size,
+                                              max_drafts=self.max_drafts, seed=self.defaults.seed))
 
   def _slot_group(self, slots: list[int]) -> np.ndarray:
     """int32[A]: slots, then others (free ones first, untouched by the call) up to a power of two
@@ -594,55 +417,20 @@ class Engine:
   def _paging_for(self, idx_A, num_new_A) -> DecodeStep:
     """The width-free step for a call adding num_new_A rows to the slots idx_A: it reads their pages
     only, the span of the longest (a prefill reads its prompts' pages, not a running request's)."""
-    need = int(jit_span_needed_on(self._base, self.target, self.proposer, self._union, self._s, idx_A,
+    need = int(jit_span_needed_on(self._base, self.target, self.proposer, self._grammars.union, self._s, idx_A,
                                   np.asarray(num_new_A, np.int32)))
     span = budget_bucket(need, self.max_len // self.page_size, minimum=2)
     return DecodeStep(self._base.settings.with_budget(self.num_pages, span))
 
-  def _slot_settings(self, admitted: list[Request], a: int) -> SlotSettings:
-    """The admitted requests' settings, in rows 0..len(admitted)-1 of a (the other rows are not
-    used). A request's key: row_key(seed), else row_key(the engine's seed, its id)."""
-    v = self.target.cfg.vocab_size
-    temperature, top_k = np.zeros((a,), np.float32), np.zeros((a,), np.int32)
-    top_p, caps = np.ones((a,), np.float32), np.zeros((a,), np.int32)
-    eos = np.full((a, EOS_PER_SLOT), -1, np.int32)
-    keys = [row_key(self.defaults.seed)] * a
-    for i, r in enumerate(admitted):
-      temperature[i], top_k[i], top_p[i] = r.temperature, min(r.top_k or 0, v), 1.0 if r.top_p is None else r.top_p
-      caps[i] = self.max_drafts if r.num_drafts == "auto" else r.num_drafts
-      eos[i, :len(r.eos_token_ids)] = r.eos_token_ids
-      keys[i] = row_key(r.seed) if r.seed is not None else row_key(self.defaults.seed, r.id)
-    return SlotSettings(RowSampling(jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p)),
-                        jnp.stack(keys), jnp.asarray(caps), jnp.asarray(eos))
-
-  def _grammar_index(self, grammar: grammar_lib.Grammar) -> int:
-    return next(i for i, g in enumerate(self._grammars) if g is grammar)
-
   def _use_grammars(self, needed: list[grammar_lib.Grammar]) -> None:
-    """Makes the device grammar (one union of every grammar in use, `grammar.union`) hold `needed`.
-    A new grammar rebuilds the union from the running requests' grammars and the new ones (the
-    finished ones' are dropped), and the running slots' grammar states move to their new numbers."""
-    known = lambda g, gs: any(g is h for h in gs)
-    if all(known(g, self._grammars) for g in needed):
+    """Makes the device grammar hold `needed` (the running requests' grammars are kept)."""
+    if self._grammars.holds(needed):
       return
     running = [self.requests[rid].grammar for rid in self._slots if rid is not None]
-    keep: list[grammar_lib.Grammar] = []
-    for g in [*(g for g in self._grammars if known(g, running)), *needed]:
-      if not known(g, keep):
-        keep.append(g)
-    union, offsets = grammar_lib.union(keep)
     gstate_B = self._s.grammar_state
     if gstate_B is None:
       gstate_B = jnp.full(self._s.last.shape, grammar_lib.FREE, jnp.int32)
-    else:
-      table = np.full((self._union.num_states,), grammar_lib.DONE, np.int32)  # dropped grammars' states: unused
-      for g, off in zip(keep, offsets):
-        if known(g, self._grammars):
-          old = self._offsets[self._grammar_index(g)]
-          table[old + 1:old + g.num_states] = np.arange(off + 1, off + g.num_states)
-      gstate_B = jnp.where(gstate_B < 0, gstate_B, jnp.asarray(table)[jnp.maximum(gstate_B, 0)])
-    self._s = self._s.set(grammar_state=gstate_B)
-    self._union, self._offsets, self._grammars = union, offsets, keep
+    self._s = self._s.set(grammar_state=self._grammars.use(needed, running, gstate_B))
 
   def _respan(self, num_new_B, span_needed: int | None = None) -> None:
     """Sets the page span of the next decode call, which adds at most num_new_B rows (int32[B]) per

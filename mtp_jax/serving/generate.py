@@ -21,7 +21,8 @@ from mtp_jax.mtp import MtpModel
 from mtp_jax.serving import options
 from mtp_jax.serving.options import Paging, StepSettings
 from mtp_jax.serving.state import LoopState, SlotSettings
-from mtp_jax.serving.step import DecodeStep, jit_fits, jit_generate, jit_pages_needed, jit_prefill, jit_run, jit_step
+from mtp_jax.serving.step import DecodeStep
+from mtp_jax.serving.jit import jit_fits, jit_generate, jit_pages_needed, jit_prefill, jit_run, jit_step
 from mtp_jax.target import TargetModel
 from mtp_jax.tree import TreeSpec
 

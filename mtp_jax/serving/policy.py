@@ -1,0 +1,110 @@
+"""DraftPolicy: how many drafts a step verifies under num_drafts="auto", from measured step times
+and acceptance (host side); and the process-wide count of programs JAX built, which tells a timed
+call that built one (not a sample) from one that did not."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+import jax
+import numpy as np
+
+# JAX traces a jitted function each time it builds a program for it (then compiles it, or reads it
+# from the compilation cache): a call during which this fired spent time building, so its time is
+# not a sample of the step's. Counted for the whole process, so a program another engine built is
+# not mistaken for a build.
+_TRACE_EVENT = "/jax/core/compile/jaxpr_trace_duration"
+_events: collections.Counter = collections.Counter()
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, seconds, **kwargs: _events.update((event,)) if event == _TRACE_EVENT else None)
+
+
+def programs_built() -> int:
+  """Programs JAX has traced in this process so far (a call that changed it built one)."""
+  return _events[_TRACE_EVENT]
+
+
+@dataclasses.dataclass
+class DraftPolicy:
+  """How many drafts a step verifies under num_drafts="auto" (host side; an Engine's, or shared).
+
+  It keeps the measured seconds per decode step for each width k = 0..K and batch bucket (running
+  requests rounded up to a power of two) and the drafts accepted and verified per position, and
+  picks the k with the most tokens per second: running x (1 + sum_{i<k} r_i) / seconds(k, bucket),
+  r_i the measured rate at which draft i is accepted when verified (a prior of 0.5^(i + 1) until
+  16 verifications). At a bucket not yet timed the widest width runs first; a width not timed
+  there takes the widest one's time there scaled by their ratio at the nearest bucket that timed
+  both, or is tried when no bucket did (widest first). A width chosen on an estimate is timed as
+  it runs, so an estimate that flattered it is replaced after one call, and a stream's smaller
+  buckets (its tail) do not spend their few calls timing every width. Every 4th call at a bucket
+  runs the runner-up instead when it is within a tenth of the best (call times here move by that
+  much, so such widths are ranked by noise until timed again). A call during which JAX
+  built a program (traced, then compiled or read it from a cache) is not a sample. So a step
+  drafts like k = K where drafts pay (few requests, high acceptance) and less, down to 0, where
+  the wider target forward costs more than the tokens it wins (many requests, low acceptance).
+  Both measurements belong to the models, batch size and machine, not to one engine: an engine
+  built again can start from them (`Engine(draft_policy=)`).
+  """
+
+  max_drafts: int
+  seconds: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> recent calls' (seconds, steps)
+  accepted_at: np.ndarray | None = None  # int64[K]: steps whose draft i was accepted
+  proposed_at: np.ndarray | None = None  # int64[K]: steps whose draft i was verified
+  choices: dict = dataclasses.field(default_factory=dict)  # bucket -> calls chosen by their measured gain
+
+  def __post_init__(self):
+    self.accepted_at = np.zeros((self.max_drafts,), np.int64) if self.accepted_at is None else self.accepted_at
+    self.proposed_at = np.zeros((self.max_drafts,), np.int64) if self.proposed_at is None else self.proposed_at
+
+  @staticmethod
+  def bucket(num_running: int) -> int:
+    return 1 << max(0, num_running - 1).bit_length()
+
+  def choose(self, num_running: int) -> int:
+    b, widest = self.bucket(num_running), self.max_drafts
+    if not self.seconds.get((widest, b)):
+      return widest  # it sets the scale of the bucket's other widths
+    seconds = {}
+    for k in range(widest, -1, -1):
+      seconds[k] = self.step_seconds(k, b) if self.seconds.get((k, b)) else self._estimate(k, b)
+      if seconds[k] is None:
+        return k  # nothing to estimate it from: try it
+    rate = [a / p if p >= 16 else 0.5 ** (i + 1) for i, (a, p) in enumerate(zip(self.accepted_at, self.proposed_at))]
+    gain = {k: (1 + sum(rate[:k])) / seconds[k] for k in range(widest + 1)}
+    best = max(gain, key=gain.get)  # a tie: the narrowest
+    self.choices[b] = self.choices.get(b, 0) + 1
+    if self.choices[b] % 4 == 0:
+      # A call's time moves by a tenth here, so widths within a tenth of the best are ranked by
+      # noise: every 4th call times the nearest of them again rather than trusting old samples.
+      close = [k for k in gain if k != best and gain[k] >= 0.9 * gain[best]]
+      if close:
+        return max(close, key=gain.get)
+    return best
+
+  def _estimate(self, k: int, bucket: int) -> float | None:
+    """Seconds of a step at width k and bucket, not timed there: the widest width's time there
+    times k's ratio to it at the nearest bucket that timed both (None if none did)."""
+    widest = self.max_drafts
+    known = [c for (w, c) in self.seconds if w == k and self.seconds.get((widest, c))]
+    if not known:
+      return None
+    c = min(known, key=lambda c: (abs(c.bit_length() - bucket.bit_length()), -c))
+    return self.step_seconds(widest, bucket) * self.step_seconds(k, c) / self.step_seconds(widest, c)
+
+  def step_seconds(self, k: int, bucket: int) -> float:
+    """Seconds per decode step at width k and batch bucket: the recent calls' time over their steps
+    (a ratio of sums, so a call cut short after one step weighs one step, not a whole call)."""
+    samples = self.seconds[(k, bucket)]
+    return sum(s for s, _ in samples) / sum(n for _, n in samples)
+
+  def record(self, k: int, num_running: int, seconds: float, steps: int = 1) -> None:
+    """One timing sample: a call of `steps` decode steps at width k with num_running requests took seconds."""
+    samples = self.seconds.setdefault((k, self.bucket(num_running)), collections.deque(maxlen=16))
+    samples.append((seconds, steps))
+
+  def observe(self, accepted_at, proposed_at) -> None:
+    """Counts more verifications: accepted_at, proposed_at (K ints each) steps whose draft i was
+    accepted / verified since the last call."""
+    self.accepted_at = self.accepted_at + np.asarray(accepted_at, np.int64)
+    self.proposed_at = self.proposed_at + np.asarray(proposed_at, np.int64)
