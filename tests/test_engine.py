@@ -222,7 +222,7 @@ def test_grammars_per_request_come_and_go():
     engine.step()
   third = engine.add_request(PROMPTS[2], MAX_NEW, grammar=g3)
   engine.step()
-  assert engine.requests[long].status == "running" and [*engine._grammars] == [g2, g3]
+  assert engine.requests[long].status == "running" and engine._grammars.grammars == [g2, g3]
   out = engine.run()
   for rid, g in ((short, G), (long, g2), (third, g3)):
     req = engine.requests[rid]
