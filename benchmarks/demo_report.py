@@ -20,10 +20,10 @@ from pathlib import Path
 import jax
 
 try:
-  from mtp_jax import cli, demo
+  from mtp_jax import cli, demo, demo_models
 except ImportError:  # run as `python benchmarks/x.py` from a checkout that is not pip-installed
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-  from mtp_jax import cli, demo
+  from mtp_jax import cli, demo, demo_models
 
 
 def main(argv=None) -> int:
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
   args = cli.build_parser().parse_args(["demo"] + rest)
   if mine.quick:
     args.small, args.num_prompts, args.max_new_tokens, args.repeats = True, 2, 8, 1
-  name = "small" if args.small else demo.default_demo()
+  name = "small" if args.small else demo_models.default_demo()
   report = demo.run_demo(num_prompts=args.num_prompts, prompt_len=args.prompt_len, max_new_tokens=args.max_new_tokens,
                          seed=args.seed, name=name, path=args.checkpoint, ks=args.ks, repeats=args.repeats,
                          trees=args.tree, max_depth=args.max_depth)

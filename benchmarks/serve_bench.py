@@ -37,7 +37,7 @@ try:
 except ImportError:  # run as `python benchmarks/x.py` from a checkout that is not pip-installed
   sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
   import mtp_jax
-from mtp_jax import data, demo
+from mtp_jax import data, demo_models
 
 FULL = dict(num_requests=16, max_batch=8, prompt_lens=(16, 128), output_lens=(16, 64), max_len=256, page_size=32,
             batches=(1, 2, 4, 8), table_output=32, passes=6, repeats=3)
@@ -167,8 +167,8 @@ def main(argv=None) -> None:
   ap.add_argument("--quick", action="store_true", help="the small demo model, a few short requests (a smoke run)")
   quick = ap.parse_args(argv).quick
   opts = QUICK if quick else FULL
-  name = "small" if quick else demo.default_demo()
-  target, proposer, _ = demo.load_demo(name=name)
+  name = "small" if quick else demo_models.default_demo()
+  target, proposer, _ = demo_models.load_demo(name=name)
   k = proposer.cfg.num_modules
   random_target = mtp_jax.init_target(target.cfg, 0)
   random_proposer = mtp_jax.init_mtp(proposer.cfg, 1)

@@ -1,5 +1,7 @@
 """mtp_jax: multi-token-prediction (MTP) speculative decoding in JAX / Flax NNX."""
 
+import importlib
+
 from mtp_jax.blocks import KVCache, MlaCache
 from mtp_jax.config import BlockConfig, MlaConfig, MtpConfig, RopeScaling, TargetConfig
 from mtp_jax.mtp import MtpModel, forward_chain, init_mtp, load_state_dict, state_dict
@@ -10,8 +12,8 @@ from mtp_jax.tree import DraftTree, TreeSpec
 from mtp_jax.verify import (verify_greedy, verify_relaxed, verify_sampling, verify_tree_greedy,
                             verify_tree_relaxed, verify_tree_sampling)
 from mtp_jax.serving import Engine, GenerateOutput, generate
-from mtp_jax import blocks, checkpoint, data, families, grammar, layouts, serving, sharding, train  # namespaces
-from mtp_jax.demo import load_demo
+from mtp_jax import blocks, checkpoint, data, families, grammar, layouts, serving, sharding  # namespaces
+from mtp_jax.demo_models import load_demo
 from mtp_jax.pretrained import from_pretrained, load_mtp, load_target, load_tokenizer
 
 __all__ = [
@@ -23,3 +25,12 @@ __all__ = [
     "GenerateOutput", "generate", "Engine", "blocks", "checkpoint", "data", "families", "grammar", "layouts",
     "serving", "sharding", "train", "load_demo", "from_pretrained", "load_target", "load_mtp", "load_tokenizer",
 ]
+
+# Imported on first use (PEP 562), so `import mtp_jax` loads neither train's optax and tqdm nor the demo's runs.
+_LAZY = ("demo", "train")
+
+
+def __getattr__(name: str):
+  if name in _LAZY:
+    return importlib.import_module(f"mtp_jax.{name}")
+  raise AttributeError(f"module 'mtp_jax' has no attribute {name!r}")

@@ -7,7 +7,7 @@ import codecs
 import dataclasses
 import sys
 
-from mtp_jax import demo, grammar, pretrained, train, validate
+from mtp_jax import demo, demo_models, grammar, pretrained, train, validate
 from mtp_jax.serving import generate
 from mtp_jax.serving.options import ACCEPTANCES
 from mtp_jax.tree import TreeSpec, check_tree
@@ -20,7 +20,7 @@ def _drafts_arg(text: str) -> int | str:
 
 
 def _model_name(args) -> str:
-  return "small" if args.small else demo.default_demo()
+  return "small" if args.small else demo_models.default_demo()
 
 
 def _tree(text: str) -> TreeSpec:
@@ -108,7 +108,7 @@ def _generate(args) -> int:
   else:
     if args.dtype is not None:
       raise validate.InvalidValue("--dtype", "--dtype applies to --model weights only")
-    target, proposer, tok = demo.load_demo(args.checkpoint, name=_model_name(args), max_depth=args.max_depth)
+    target, proposer, tok = demo_models.load_demo(args.checkpoint, name=_model_name(args), max_depth=args.max_depth)
     # Training windows carry no BOS, so neither does the prompt.
     prompt = tok.encode(args.prompt, bos=False)
     eos = tok.eos_id

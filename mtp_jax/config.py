@@ -309,3 +309,38 @@ class TargetConfig(BlockConfig):
   def __post_init__(self):
     super().__post_init__()
     validate.dataclass_fields(self, positive=("vocab_size", "num_layers"), flags=("output_normed_hidden",))
+
+
+RECIPES = ("joint", "mimo")  # the training recipes of mtp_jax.train (docs/training.md)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+  """Optimisation settings of `mtp_jax.train` (kept here so a checkpoint's config.json reads without
+  the training code). The schedule warms up linearly for warmup_steps, then decays on a
+  cosine to learning_rate * final_lr_fraction at `steps`. mtp_weight is DeepSeek-V3's lambda."""
+
+  recipe: str = "joint"
+  steps: int = 1500
+  batch_size: int = 8
+  seq_len: int = 256
+  learning_rate: float = 3e-3
+  warmup_steps: int = 100
+  final_lr_fraction: float = 0.1
+  weight_decay: float = 0.05
+  grad_clip: float = 1.0
+  mtp_weight: float = 0.3
+  stop_gradient: bool = False
+  eval_every: int = 250
+  eval_batches: int = 8
+  save_every: int = 250
+  seed: int = 0
+
+  def __post_init__(self):
+    validate.one_of("TrainConfig.recipe", self.recipe, RECIPES)
+    validate.dataclass_fields(
+        self, positive=("steps", "batch_size", "seq_len", "eval_every", "eval_batches", "save_every"),
+        ints=("seed",), flags=("stop_gradient",),
+        reals=dict(learning_rate=(0.0, None, True), final_lr_fraction=(0.0, 1.0, False),
+                   weight_decay=(0.0, None, False), grad_clip=(0.0, None, True), mtp_weight=(0.0, None, False)))
+    validate.integer("TrainConfig.warmup_steps", self.warmup_steps, 0, self.steps - 1)

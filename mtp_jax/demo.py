@@ -1,4 +1,5 @@
-"""The shipped demo models and the speculative-vs-plain comparison behind `mtp-jax demo`."""
+"""The speculative-vs-plain comparison behind `mtp-jax demo`, and exporting a checkpoint as a demo model
+(the shipped models load through `mtp_jax.demo_models`)."""
 
 from __future__ import annotations
 
@@ -11,61 +12,21 @@ from collections.abc import Callable
 import ml_dtypes
 import numpy as np
 
-from mtp_jax import checkpoint, data, train, validate
+from mtp_jax import checkpoint, data, validate
+from mtp_jax.checkpoint_dir import CONFIG_FILE, MTP_FILE, TARGET_FILE, read_config
+from mtp_jax.demo_models import load_demo
 from mtp_jax.serving import generate
-from mtp_jax.mtp import MtpModel
-from mtp_jax.target import TargetModel
 from mtp_jax.tree import TreeSpec, check_tree
-
-ASSETS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "assets")
-# small: 0.85M-parameter target, 3.4 MB, cache-resident (compute-bound on a CPU).
-# large: a target of about 64 MB in float32 (stored as bfloat16), memory-bound on a CPU.
-DEMO_MODELS = ("small", "large")
-ASSET_FILES = (train.TARGET_FILE, train.MTP_FILE, train.CONFIG_FILE)
-
-
-def demo_path(name: str) -> str:
-  """The directory of the shipped demo model `name` (one of DEMO_MODELS)."""
-  if name not in DEMO_MODELS:
-    raise ValueError(f"name must be one of {DEMO_MODELS}, got {name!r}")
-  return os.path.join(ASSETS, name)
-
-
-def has_demo(name: str) -> bool:
-  """Whether the package holds every file of demo model `name`."""
-  return all(os.path.isfile(os.path.join(demo_path(name), f)) for f in ASSET_FILES)
-
-
-def default_demo() -> str:
-  """The model `mtp-jax demo` / `generate` use: the large one when its files are present."""
-  return "large" if has_demo("large") else "small"
-
-
-def load_demo(path=None, *, name: str = "small",
-              max_depth: int | None = None) -> tuple[TargetModel, MtpModel, data.ByteTokenizer]:
-  """(target, proposer, tokenizer): the trained byte-level models shipped in mtp_jax/assets/<name>
-  (or the checkpoint directory `path`, as written by `mtp_jax.train`). Weights stored as bfloat16
-  are computed in the config's dtype (float32). max_depth: drafts the proposer may make (default
-  its K modules); depths past K cycle through the modules (`MtpConfig.max_depth`)."""
-  if path is None and not has_demo(name):
-    raise FileNotFoundError(f"the demo model {name!r} is not in this package ({demo_path(name)} lacks "
-                            f"{', '.join(ASSET_FILES)}); see docs/demo.md for how it is made")
-  target, proposer = train.load_checkpoint(demo_path(name) if path is None else path)
-  if max_depth is not None:
-    max_depth = validate.positive_int("max_depth", max_depth)
-    # The config is the only place the depth count lives; the fresh model is ours to change.
-    proposer.cfg = dataclasses.replace(proposer.cfg, max_depth=max_depth, depth_reuse="cycle")
-  return target, proposer, data.ByteTokenizer()
 
 
 def export_demo(checkpoint_dir, out_dir, *, dtype: str = "bfloat16") -> int:
   """Writes the inference files of a training checkpoint (target, MTP modules, config; no optimizer
   state) to out_dir, floating tensors stored as `dtype`. Returns the bytes written."""
-  train.read_config(checkpoint_dir)  # a complete checkpoint, or a clear error
+  read_config(checkpoint_dir)  # a complete checkpoint, or a clear error
   os.makedirs(out_dir, exist_ok=True)
   stored = np.dtype(ml_dtypes.bfloat16) if dtype == "bfloat16" else np.dtype(dtype)
   total = 0
-  for name in (train.TARGET_FILE, train.MTP_FILE):
+  for name in (TARGET_FILE, MTP_FILE):
     tensors = checkpoint.load_tensors(os.path.join(os.fspath(checkpoint_dir), name))
     tensors = {k: v.astype(stored) if v.dtype.kind == "f" else v for k, v in tensors.items()}
     file = os.path.join(out_dir, name)
@@ -73,7 +34,7 @@ def export_demo(checkpoint_dir, out_dir, *, dtype: str = "bfloat16") -> int:
     os.chmod(file, 0o644)  # package data: safetensors writes owner-only files
     total += os.path.getsize(file)
   # The config keeps the compute dtype (float32): loading casts the stored tensors to it.
-  shutil.copyfile(os.path.join(os.fspath(checkpoint_dir), train.CONFIG_FILE), os.path.join(out_dir, train.CONFIG_FILE))
+  shutil.copyfile(os.path.join(os.fspath(checkpoint_dir), CONFIG_FILE), os.path.join(out_dir, CONFIG_FILE))
   return total
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax import checkpoint, data, demo, train
+from mtp_jax import checkpoint, checkpoint_dir, data, demo, demo_models
 
 
 def test_load_demo_returns_the_shipped_models_and_tokenizer():
@@ -55,10 +55,11 @@ def test_run_demo_rejects_k_beyond_the_modules():
 
 def test_export_stores_bf16_and_loads_as_float32(tmp_path):
   out = tmp_path / "asset"
-  written = demo.export_demo(demo.demo_path("small"), out)
-  small = sum(os.path.getsize(os.path.join(demo.demo_path("small"), f)) for f in (train.TARGET_FILE, train.MTP_FILE))
+  written = demo.export_demo(demo_models.demo_path("small"), out)
+  small = sum(os.path.getsize(os.path.join(demo_models.demo_path("small"), f))
+              for f in (checkpoint_dir.TARGET_FILE, checkpoint_dir.MTP_FILE))
   assert written < 0.55 * small
-  assert {str(v.dtype) for v in checkpoint.load_tensors(out / train.TARGET_FILE).values()} == {"bfloat16"}
+  assert {str(v.dtype) for v in checkpoint.load_tensors(out / checkpoint_dir.TARGET_FILE).values()} == {"bfloat16"}
   target, proposer, _ = demo.load_demo(out)
   ref_target, _, _ = demo.load_demo()
   got, want = jax.tree.leaves(target), jax.tree.leaves(ref_target)
@@ -70,9 +71,9 @@ def test_export_stores_bf16_and_loads_as_float32(tmp_path):
 def test_unknown_or_missing_demo_model(monkeypatch, tmp_path):
   with pytest.raises(ValueError, match=r"name must be one of \('small', 'large'\)"):
     demo.load_demo(name="medium")
-  monkeypatch.setattr(demo, "ASSETS", str(tmp_path))
-  assert demo.default_demo() == "small"
+  monkeypatch.setattr(demo_models, "ASSETS", str(tmp_path))
+  assert demo_models.default_demo() == "small"
   with pytest.raises(FileNotFoundError, match="the demo model 'large' is not in this package"):
     demo.load_demo(name="large")
   demo.export_demo(os.path.join(os.path.dirname(demo.__file__), "assets", "small"), tmp_path / "large")
-  assert demo.default_demo() == "large"
+  assert demo_models.default_demo() == "large"

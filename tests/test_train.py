@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import mtp_jax
-from mtp_jax import checkpoint, data, train
+from mtp_jax import checkpoint, checkpoint_dir, data, train
 
 TINY = dict(hidden_size=32, num_layers=1, num_heads=4, num_kv_heads=2, intermediate_size=64, num_modules=2)
 CFG = train.TrainConfig(steps=4, warmup_steps=1, batch_size=4, seq_len=32, learning_rate=1e-2, eval_every=2,
@@ -85,7 +85,7 @@ def test_checkpoint_round_trip_gives_identical_drafts(trained, tmp_path):
 def test_resume_continues_from_the_saved_step(trained):
   half, stopped, whole, _ = trained
   assert half.step == 2 and train.read_config(stopped)["step"] == 2
-  with checkpoint.CheckpointReader(os.path.join(stopped, train.OPTIMIZER_FILE)) as reader:
+  with checkpoint.CheckpointReader(os.path.join(stopped, checkpoint_dir.OPTIMIZER_FILE)) as reader:
     counts = [np.asarray(reader[n]) for n in reader.keys() if n.endswith(".count")]
   assert counts and all(np.ravel(c).tolist() == [2] for c in counts)
   resumed = train.train(CFG, out_dir=stopped, resume_from=stopped, progress=False)
@@ -108,7 +108,7 @@ def _copy_checkpoint(src, dst):
 
 def test_bad_checkpoint_errors_name_the_tensor(trained, tmp_path):
   _, _, _, full = trained
-  mtp_file = train.MTP_FILE
+  mtp_file = checkpoint_dir.MTP_FILE
 
   bad = _copy_checkpoint(full, tmp_path / "shape")
   tensors = checkpoint.load_tensors(os.path.join(bad, mtp_file))
@@ -118,9 +118,9 @@ def test_bad_checkpoint_errors_name_the_tensor(trained, tmp_path):
     train.load_checkpoint(bad)
 
   bad = _copy_checkpoint(full, tmp_path / "nan")
-  tensors = checkpoint.load_tensors(os.path.join(bad, train.TARGET_FILE))
+  tensors = checkpoint.load_tensors(os.path.join(bad, checkpoint_dir.TARGET_FILE))
   tensors["model.norm.weight"] = np.full_like(tensors["model.norm.weight"], np.nan)
-  checkpoint.save_tensors(os.path.join(bad, train.TARGET_FILE), tensors)
+  checkpoint.save_tensors(os.path.join(bad, checkpoint_dir.TARGET_FILE), tensors)
   with pytest.raises(ValueError, match=r"'model\.norm\.weight' contains NaN"):
     train.load_checkpoint(bad)
 
@@ -142,10 +142,10 @@ def test_bad_checkpoint_errors_name_the_tensor(trained, tmp_path):
 
   # A config that disagrees with the tensors: the first tensor of the wrong size is named.
   bad = _copy_checkpoint(full, tmp_path / "config")
-  with open(os.path.join(bad, train.CONFIG_FILE)) as f:
+  with open(os.path.join(bad, checkpoint_dir.CONFIG_FILE)) as f:
     meta = json.load(f)
   meta["target"]["intermediate_size"] = 48
-  with open(os.path.join(bad, train.CONFIG_FILE), "w") as f:
+  with open(os.path.join(bad, checkpoint_dir.CONFIG_FILE), "w") as f:
     json.dump(meta, f)
   with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.\w+_proj\.weight' has shape"):
     train.load_checkpoint(bad)
@@ -154,7 +154,7 @@ def test_bad_checkpoint_errors_name_the_tensor(trained, tmp_path):
 def test_resume_rejects_an_optimizer_state_of_another_model(trained, tmp_path):
   _, _, _, full = trained
   bad = _copy_checkpoint(full, tmp_path / "opt")
-  path = os.path.join(bad, train.OPTIMIZER_FILE)
+  path = os.path.join(bad, checkpoint_dir.OPTIMIZER_FILE)
   tensors = checkpoint.load_tensors(path)
   name = next(n for n in tensors if tensors[n].ndim == 2)
   tensors[name] = tensors[name][:1]

@@ -14,7 +14,7 @@ import pytest
 from jax.experimental import checkify
 
 import mtp_jax
-from mtp_jax import train, validate
+from mtp_jax import checkpoint_dir, train, validate
 
 BLOCK = dict(hidden_size=32, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=64)
 MTP_CFG = mtp_jax.MtpConfig(vocab_size=48, num_modules=3, **BLOCK)
@@ -495,7 +495,7 @@ def _save(path, step, seed):
 
 def _state(path):
   target, mtp = train.load_checkpoint(path)
-  opt = os.path.join(path, train.OPTIMIZER_FILE)
+  opt = os.path.join(path, checkpoint_dir.OPTIMIZER_FILE)
   train.check_step(opt, train.read_config(path)["step"])
   return {**mtp_jax.target_state_dict(target), **mtp_jax.state_dict(mtp)}
 
@@ -508,7 +508,7 @@ def test_interrupted_save_leaves_one_consistent_step(tmp_path, monkeypatch):
   old = _state(path)
   _save(str(tmp_path / "new"), 4, seed=4)
   new = _state(str(tmp_path / "new"))
-  real_save, real_rename = train.checkpoint.save_tensors, os.rename
+  real_save, real_rename = checkpoint_dir.checkpoint.save_tensors, os.rename
   for fail_at in range(5):  # after 0..2 of the 3 tensor files, before either rename
     calls = []
 
@@ -519,8 +519,8 @@ def test_interrupted_save_leaves_one_consistent_step(tmp_path, monkeypatch):
           raise KeyboardInterrupt
         return real(*args, **kwargs)
       return call
-    monkeypatch.setattr(train.checkpoint, "save_tensors", counting(real_save))
-    monkeypatch.setattr(train.os, "rename", counting(real_rename))
+    monkeypatch.setattr(checkpoint_dir.checkpoint, "save_tensors", counting(real_save))
+    monkeypatch.setattr(checkpoint_dir.os, "rename", counting(real_rename))
     with pytest.raises(KeyboardInterrupt):
       _save(path, 4, seed=4)
     monkeypatch.undo()
@@ -539,17 +539,17 @@ def test_mixed_checkpoint_files_are_refused(tmp_path):
   a, b = str(tmp_path / "a"), str(tmp_path / "b")
   _save(a, 2, seed=0)
   _save(b, 4, seed=0)
-  os.replace(os.path.join(b, train.MTP_FILE), os.path.join(a, train.MTP_FILE))
-  with _raises(ValueError, train.MTP_FILE, "step 4", "step 2"):
+  os.replace(os.path.join(b, checkpoint_dir.MTP_FILE), os.path.join(a, checkpoint_dir.MTP_FILE))
+  with _raises(ValueError, checkpoint_dir.MTP_FILE, "step 4", "step 2"):
     train.load_checkpoint(a)
 
 
 def test_old_checkpoint_without_step_metadata_loads(tmp_path):
   path = str(tmp_path / "old")
   _save(path, 2, seed=1)
-  for name in (train.TARGET_FILE, train.MTP_FILE):
+  for name in (checkpoint_dir.TARGET_FILE, checkpoint_dir.MTP_FILE):
     file = os.path.join(path, name)
-    train.checkpoint.save_tensors(file, train.checkpoint.load_tensors(file))  # no metadata
+    checkpoint_dir.checkpoint.save_tensors(file, checkpoint_dir.checkpoint.load_tensors(file))  # no metadata
   assert _state(path).keys()
 
 
