@@ -153,6 +153,7 @@ def _generate(args) -> int:
 def _serve(args) -> int:
   try:
     from mtp_jax.serving import server
+    from mtp_jax.serving.model import load_model
   except ImportError as e:
     if e.name not in ("starlette", "uvicorn", "jinja2"):
       raise
@@ -173,8 +174,8 @@ def _serve(args) -> int:
   num_drafts = args.num_drafts
   if num_drafts is None:
     num_drafts = "auto" if args.tree is None else args.tree.depth
-  model = server.load_model(args.model, demo_name="large" if args.large else "small", checkpoint=args.checkpoint,
-                            dtype=args.dtype, max_depth=args.max_depth, chat_template=template)
+  model = load_model(args.model, demo_name="large" if args.large else "small", checkpoint=args.checkpoint,
+                     dtype=args.dtype, max_depth=args.max_depth, chat_template=template)
   if num_drafts != "auto":
     num_drafts = validate.integer("--num-drafts", num_drafts, 0, model.proposer.cfg.num_depths)
   if args.eos is not None:

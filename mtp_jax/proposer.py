@@ -379,7 +379,7 @@ def propose_step(params: MtpModel, state: ProposerState, hiddens_BxTxD, tokens_B
     prev_h_BxWxD, prev_start_B = next_h_BxWxD, start_B
 
   draft_probs = state.draft_probs
-  if draft_probs is not None and tree is None:  # a tree's distributions travel in its DraftTree
+  if draft_probs is not None and tree is None and num_drafts:  # a tree's distributions travel in its DraftTree
     draft_probs = draft_probs.at[:, :num_drafts].set(jnp.stack(probs, axis=1))
   new_state = state.set(caches=caches.close(kv), tail=tuple(tail),
                         lengths=jnp.concatenate([jnp.stack(new_lengths), lengths_KxB[num_run:]]),
@@ -388,7 +388,8 @@ def propose_step(params: MtpModel, state: ProposerState, hiddens_BxTxD, tokens_B
   if tree is not None:
     probs = None if draws is None else jnp.concatenate(tree_probs, axis=1)
     return DraftTree.of(tree, nodes_tok_BxN1[:, 1:], probs), new_state
-  return jnp.stack(drafts, axis=1), new_state
+  # num_drafts 0 (a serving step that verifies none, catch_up=True): every module only catches up.
+  return jnp.stack(drafts, axis=1) if drafts else jnp.zeros((b, 0), jnp.int32), new_state
 
 
 def _tree_depth(params, i, tree, cache, out_BxWxD, next_h_BxWxD, start_B, new_num_pos_B, prev_nodes_h, nodes_tok_BxN1):

@@ -231,6 +231,39 @@ def test_grammars_per_request_come_and_go():
     assert out[rid] == want, rid
 
 
+class _ScriptedWidths(DraftPolicy):
+  """A DraftPolicy that picks the widths of a script (long runs at 0 among them), whatever it measured."""
+
+  def __init__(self, widths):
+    super().__init__(K)
+    self.widths = iter(widths)
+
+  def choose(self, num_running):
+    return next(self.widths, K)
+
+
+def test_module_work_follows_the_width_and_outputs_stay_exact():
+  """Under "auto" a call at width k < K drafts k (its deeper modules only catch up), so a width may
+  follow any other: over a scripted history with long runs at 0 every greedy request equals
+  generate alone and the seeded sampled one plain sampling with its seed."""
+  script = [0] * 6 + [K, 1, 0, 0, 0, 2, K, K, 0, 1, 1, 0, 0, 0, 0, K] * 3
+  engine = Engine(TARGET5, PROPOSER5, max_batch=3, max_len=64, page_size=2, num_pages=40,
+                  draft_policy=_ScriptedWidths(script), steps_per_call=1)
+  ids = [engine.add_request(p, 20) for p in ([1, 2, 3], [4, 0, 1])]
+  sampled = engine.add_request([2, 2, 4, 1], 20, temperature=1.0, seed=5)
+  widths = []
+  while engine.num_running or engine.num_waiting:
+    engine.step()
+    widths.append(engine.metrics()["verify_width"])
+  assert set(widths) == {0, 1, 2, K}
+  for rid in ids:
+    assert engine.requests[rid].tokens == _alone(tuple(engine.requests[rid].prompt))[:20]
+  assert engine.requests[sampled].tokens == mtp_jax.generate(TARGET5, None, [[2, 2, 4, 1]], 20, temperature=1.0,
+                                                             seed=5).tokens[0]
+  m = engine.metrics()
+  assert m["drafts_accepted_total"] > 0 and m["drafts_proposed_at"][0] < m["verify_steps_total"]
+
+
 def test_auto_width_changes_and_greedy_output_stays_exact():
   """num_drafts="auto" (the default with a proposer) tries each width while it measures: the width
   changes from call to call, and every request still equals generate alone."""

@@ -118,6 +118,40 @@ def test_drafts_equal_full_recompute_over_random_histories(data):
   assert sim.state.num_live == (K if catch_up else k)
 
 
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_width_zero_runs_catch_up_only_and_drafts_stay_exact(data):
+  """The serving step's narrow widths: propose_step with num_drafts 0..K and catch_up=True (width 0
+  drafts nothing; every module only catches up on the verified rows), over histories with long
+  runs at width 0: every later draft equals a full recompute of the chain."""
+  from mtp_jax import proposer as prop
+  sim = Sim(data.draw(st.lists(st.integers(1, PROMPT_T), min_size=2, max_size=2), label="prompts"),
+            seed=data.draw(st.integers(0, 2**16), label="seed"))
+  k = data.draw(st.integers(0, K), label="k0")
+  widths = data.draw(st.lists(st.sampled_from([0, 0, 0, 1, 2, K]), min_size=4, max_size=10), label="widths")
+
+  def call(h, t, n, k):
+    drafts, sim.state = prop.propose_step(sim.model, sim.state, jnp.asarray(h), jnp.asarray(t), jnp.asarray(n),
+                                          prop.ProposeSettings(k, catch_up=True))
+    assert drafts.shape == (sim.b, k)
+    return np.asarray(drafts)
+
+  h = np.zeros((sim.b, PROMPT_T, D), np.float32)
+  t = np.zeros((sim.b, PROMPT_T), np.int32)
+  for i, (hid, toks) in enumerate(zip(sim.hid, sim.toks)):
+    h[i, :len(toks)], t[i, :len(toks)] = hid, toks
+  drafts = call(h, t, np.array([len(x) for x in sim.toks], np.int32), k)
+  for width in widths:
+    if k:
+      sim.check(drafts, k)
+    if max(len(x) for x in sim.toks) + K + 1 >= MAX_LEN:
+      break
+    h, t, n = sim.verify(drafts, [data.draw(st.integers(0, k), label="a") for _ in range(sim.b)])
+    k = width
+    drafts = call(h, t, n, k)
+  assert sim.state.num_live == K
+
+
 def test_long_history_with_every_accept_pattern(model=MODEL, repeats=2):
   """Deterministic companion to the property test: all-reject and all-accept runs, k cycling."""
   sim = Sim([5, 1, 12], seed=7, model=model)

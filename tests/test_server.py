@@ -32,6 +32,9 @@ import mtp_jax
 from mtp_jax import data, validate
 from mtp_jax.serving import server as server_lib
 from mtp_jax.serving.engine import QueueFull
+from mtp_jax.serving.engine_thread import EngineFailed, Update
+from mtp_jax.serving.model import ServedModel, chat_prompt
+from mtp_jax.serving.text import TextStream
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL = "mtp-jax-demo-small"
@@ -271,16 +274,16 @@ def test_sigterm_finishes_the_open_stream_and_exits_cleanly(served):
 
 
 def test_text_stream_holds_back_what_may_be_a_stop_string_or_a_cut_character():
-  text = server_lib.TextStream(data.decode, stop=("END", "\n\n"))
+  text = TextStream(data.decode, stop=("END", "\n\n"))
   ids = lambda s: list(s.encode())
   assert text.push(ids("ab E")) == "ab "  # "E" may begin "END"
   assert text.push(ids("x")) == "Ex"
   assert text.push(ids("caf") + [0xC3]) == "caf"  # a cut two-byte character waits
   assert text.push([0xA9, ord("\n")]) == "\xe9"
   assert text.push(ids("\nEND")) == "" and text.stopped
-  plain = server_lib.TextStream(data.decode)
+  plain = TextStream(data.decode)
   assert plain.push([0xC3]) == "" and plain.push([], final=True) == "\ufffd"
-  ended = server_lib.TextStream(data.decode, stop=("xyz",))
+  ended = TextStream(data.decode, stop=("xyz",))
   assert ended.push(ids("abxy"), final=True) == "abxy" and not ended.stopped
 
 
@@ -288,12 +291,12 @@ def test_chat_prompt_renders_a_template_and_names_the_messages_on_error():
   template = ("{{ bos_token }}{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}"
               "{% if add_generation_prompt %}<assistant>{% endif %}")
   messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
-  assert server_lib.chat_prompt(template, messages, bos_token="<s>") == "<s><system>be brief\n<user>hi\n<assistant>"
+  assert chat_prompt(template, messages, bos_token="<s>") == "<s><system>be brief\n<user>hi\n<assistant>"
   with pytest.raises(validate.InvalidValue, match="refused the messages: no system") as e:
-    server_lib.chat_prompt("{{ raise_exception('no system') }}", messages)
+    chat_prompt("{{ raise_exception('no system') }}", messages)
   assert e.value.argument == "messages"
   with pytest.raises(validate.InvalidValue):  # the sandbox refuses attribute access to internals
-    server_lib.chat_prompt("{{ messages.__class__.__mro__ }}", messages)
+    chat_prompt("{{ messages.__class__.__mro__ }}", messages)
 
 
 def test_errors_map_to_openai_status_codes_without_tracebacks():
@@ -306,7 +309,7 @@ def test_errors_map_to_openai_status_codes_without_tracebacks():
   assert body["message"] == "max_tokens: max_new_tokens must be <= 9"
   status, body = answer(QueueFull("the engine's waiting queue is full"))
   assert (status, body["type"], body["code"]) == (429, "rate_limit_error", "queue_full")
-  status, body = answer(server_lib.EngineFailed("the engine failed: boom"))
+  status, body = answer(EngineFailed("the engine failed: boom"))
   assert (status, body["code"]) == (503, "engine_failed")
   status, body = answer(RuntimeError("secret detail"))
   assert status == 500 and "secret" not in body["message"] and "Traceback" not in body["message"]
@@ -339,8 +342,8 @@ class _ScriptedWorker:
   def add(self, sink, prompt, max_new_tokens, **settings):
     self.added.append((prompt, max_new_tokens, settings))
     for i in range(0, len(self.tokens), 3):
-      sink(server_lib.Update(tuple(self.tokens[i:i + 3])))
-    sink(server_lib.Update(status="finished"))
+      sink(Update(tuple(self.tokens[i:i + 3])))
+    sink(Update(status="finished"))
     future = asyncio.get_running_loop().create_future()
     future.set_result(len(self.added))
     return future
@@ -351,9 +354,9 @@ class _ScriptedWorker:
 
 def test_chat_completions_render_the_template_and_answer_in_openai_shapes():
   template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
-  model = server_lib.ServedModel(name="chatty", target=None, proposer=None, decode=data.decode,
-                                 encode=lambda text, special: data.encode(text, bos=False),
-                                 eos_token_id=data.EOS_ID, chat_template=template)
+  model = ServedModel(name="chatty", target=None, proposer=None, decode=data.decode,
+                      encode=lambda text, special: data.encode(text, bos=False), eos_token_id=data.EOS_ID,
+                      chat_template=template)
   worker = _ScriptedWorker(data.encode("Hello there. Bye", bos=False) + [data.EOS_ID])
   app = server_lib.Server(worker, model).app()
 

@@ -10,6 +10,9 @@
     requests.py  Request, QueueFull: the Engine's host-side records
     engine.py    Engine: requests come and go, slots refilled as they free
     metrics.py   latency samples and the Prometheus text format of Engine.metrics()
+
+`mtp-jax serve` (the `serve` extra; nothing here imports it): model.py, the served model and its chat
+template; text.py, tokens to text; engine_thread.py, the one thread that calls the Engine; server.py, HTTP.
 """
 
 from mtp_jax.serving.options import Paging, Relaxed, Sampling, StepSettings

@@ -159,32 +159,44 @@ def pick_verifier(settings: StepSettings) -> Verifier:
 
 @dataclasses.dataclass(frozen=True)
 class Drafter:
-  """Drafts with `propose_step` at the loop's fixed k (only the k drafting modules run: catch_up=False):
-  a chain of k drafts, or the `tree`'s N nodes; with a grammar, drafts are masked as
-  draft_masks says ("per_position", "first" or "none", an ablation switch). Sampled slots draw
-  with the target's noise under Gumbel acceptance (so a draft is the target's token whenever both
-  distributions agree under it), from a noise stream of their own under rejection sampling."""
+  """Drafts with `propose_step`: a chain of k drafts, or the `tree`'s N nodes; with a grammar,
+  drafts are masked as draft_masks says ("per_position", "first" or "none", an ablation switch).
+  Sampled slots draw with the target's noise under Gumbel acceptance (so a draft is the target's
+  token whenever both distributions agree under it), from a noise stream of their own under
+  rejection sampling.
+
+  The work follows the width: a step that verifies `verify_width` < num_drafts drafts (the
+  Engine's num_drafts="auto"), over a proposer of num_drafts = K modules, drafts only that many;
+  the deeper modules run over the newly verified rows alone (catch_up: no drafted rows, no head,
+  no draws), so they stay current and any width may follow. A step that verifies all it drafts,
+  or a proposer deeper than num_drafts (its deeper modules never run: catch_up=False), drafts
+  num_drafts."""
 
   num_drafts: int
   tree: TreeSpec | None
   draft_masks: str
   sampled: bool
   acceptance: str
+  verify_width: int | None = None
 
   def draft(self, proposer, grammar, pstate, hid_BxTxD, tokens_BxT, num_new_B, gstate_B, slots: SlotSettings,
             positions_B):
-    """(drafts int32[B, k] or the tree's int32[B, N], a tree's draft distributions float32[B, M, V]
-    or None, new state); positions_B int32[B]: the output position of the first draft."""
+    """(drafts int32[B, num_drafts] (zeros past the drafted ones) or the tree's int32[B, N], a
+    tree's draft distributions float32[B, M, V] or None, new state); positions_B int32[B]: the
+    output position of the first draft."""
     masked = self.draft_masks != "none" and grammar is not None
     gumbel = self.acceptance == "gumbel"
-    settings = prop.ProposeSettings(self.num_drafts, catch_up=False, tree=self.tree,
-                                    grammar_per_position=self.draft_masks == "per_position",
+    narrow = (self.tree is None and self.verify_width is not None and self.verify_width < self.num_drafts
+              and proposer.cfg.num_depths == self.num_drafts)
+    settings = prop.ProposeSettings(self.verify_width if narrow else self.num_drafts, catch_up=narrow,
+                                    tree=self.tree, grammar_per_position=self.draft_masks == "per_position",
                                     tree_draws="top" if gumbel else "independent")
     draws = None
     if self.sampled:
       draws = Draws.of(slots.sampling, slots.keys, NOISE_TARGET if gumbel else NOISE_DRAFT, positions_B)
     drafts, pstate = prop.propose_step(proposer, pstate, hid_BxTxD, tokens_BxT, num_new_B, settings, draws,
                                        grammar if masked else None, gstate_B if masked else None)
-    if self.tree is None:
-      return drafts, None, pstate
-    return drafts.tokens, drafts.probs, pstate
+    if self.tree is not None:
+      return drafts.tokens, drafts.probs, pstate
+    pad = self.num_drafts - drafts.shape[1]
+    return jnp.pad(drafts, [(0, 0), (0, pad)]), None, pstate

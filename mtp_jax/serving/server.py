@@ -1,20 +1,19 @@
-"""`mtp-jax serve`: an OpenAI-compatible HTTP server over the `Engine`.
+"""`mtp-jax serve`: an OpenAI-compatible HTTP server over the `Engine`; this module speaks HTTP only.
 
     HTTP handlers (Starlette on uvicorn, one asyncio loop)
         |  commands (closures run on the engine thread): add, cancel, metrics
         v
-    EngineThread: owns the Engine; drains commands, runs engine.step(), and hands each
-        |  request's new tokens back to its handler (loop.call_soon_threadsafe into an asyncio.Queue)
+    EngineThread (engine_thread.py): owns the Engine; drains commands, runs engine.step(), and hands
+        |  each request's new tokens back to its handler (loop.call_soon_threadsafe into an asyncio.Queue)
         v
-    handler: tokens -> text (TextStream: incremental detokenizing, stop strings cut on the host)
+    handler: tokens -> text (TextStream, text.py: incremental detokenizing, stop strings cut on the host)
              -> a JSON response, or server-sent events when stream=true
 
-Only the engine thread touches the Engine (its jitted calls donate the state, so a read from
-another thread could see a donated buffer). Endpoints: POST /v1/completions, POST
+The model served and its chat template: model.py. Endpoints: POST /v1/completions, POST
 /v1/chat/completions (models with a chat template), GET /v1/models, /health, /metrics (Prometheus
 text). Bad input gets HTTP 400 with an OpenAI-style error body naming the field; a full waiting
 queue gets 429; a client that disconnects has its request cancelled (slot and pages freed).
-Needs the `serve` extra (starlette, uvicorn, jinja2); nothing below this module imports it.
+Needs the `serve` extra (starlette, uvicorn; jinja2 for model.py's chat templates); the base package imports none.
 """
 
 from __future__ import annotations
@@ -24,18 +23,14 @@ import dataclasses
 import functools
 import json
 import logging
-import os
-import queue
 import signal
 import socket
 import sys
-import threading
 import time
 import traceback
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator
 
-import jinja2.sandbox
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -43,11 +38,13 @@ from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from mtp_jax import data, demo, grammar as grammar_lib, pretrained, validate
-from mtp_jax.mtp import MtpModel
-from mtp_jax.serving.engine import Engine, QueueFull
+from mtp_jax import grammar as grammar_lib, validate
+from mtp_jax.serving.engine import Engine
+from mtp_jax.serving.engine_thread import EngineFailed, EngineThread, Update, warm_up
 from mtp_jax.serving.metrics import prometheus_text
-from mtp_jax.target import TargetModel
+from mtp_jax.serving.model import ServedModel, chat_prompt
+from mtp_jax.serving.requests import QueueFull
+from mtp_jax.serving.text import TextStream
 
 log = logging.getLogger("mtp_jax.serve")
 
@@ -63,272 +60,6 @@ INERT = {"n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprob
 # The engine's argument names -> the request fields they come from, for errors.
 FIELD_OF_ARGUMENT = {"max_new_tokens": "max_tokens", "grammar": "response_format", "schema": "response_format"}
 SETTING_FIELDS = ("temperature", "top_p", "top_k", "seed", "num_drafts")
-
-
-# -- the model --
-
-
-@dataclasses.dataclass(frozen=True)
-class ServedModel:
-  """A model with its text side.
-
-  encode(text, special) -> int[len] ids (special: add the tokenizer's special tokens, as for a
-  raw prompt; a chat template writes its own); decode(ids) -> text, special tokens skipped and a
-  cut multi-byte character as U+FFFD; vocab: token byte strings by id (grammars need them; None
-  for tokenizer.json models, whose byte strings are not read yet); chat_template: a Jinja
-  template over `messages` (None: no chat endpoint).
-  """
-
-  name: str
-  target: TargetModel
-  proposer: MtpModel | None
-  encode: Callable[[str, bool], list[int]]
-  decode: Callable[[Sequence[int]], str]
-  eos_token_id: int | None
-  vocab: list[bytes | None] | None = None
-  chat_template: str | None = None
-  bos_token: str = ""
-  eos_token: str = ""
-
-
-def load_model(model_dir=None, *, demo_name: str = "small", checkpoint=None, dtype=None,
-               max_depth: int | None = None, chat_template: str | None = None) -> ServedModel:
-  """The model a server runs: a released model directory (config.json, safetensors, tokenizer.json,
-  its chat template from tokenizer_config.json or chat_template.jinja), or else a shipped demo model
-  (`demo_name`) or training checkpoint with the byte tokenizer. chat_template: a template text that
-  replaces the directory's (or gives the demo model one)."""
-  if model_dir is None:
-    target, proposer, tok = demo.load_demo(checkpoint, name=demo_name, max_depth=max_depth)
-    # Training windows carry no BOS, so neither do prompts.
-    return ServedModel(name=f"mtp-jax-demo-{demo_name}" if checkpoint is None else os.path.basename(
-        os.path.normpath(checkpoint)), target=target, proposer=proposer, encode=lambda text, special: tok.encode(
-        text, bos=False), decode=data.decode, eos_token_id=tok.eos_id, vocab=grammar_lib.byte_vocab(),
-        chat_template=chat_template)
-  target, proposer, config = pretrained.from_pretrained(model_dir, dtype=dtype, max_depth=max_depth)
-  tok = pretrained.load_tokenizer(model_dir)
-  eos = config.get("eos_token_id")
-  eos = eos[0] if isinstance(eos, list) else eos
-  settings = _tokenizer_config(model_dir)
-  return ServedModel(
-      name=os.path.basename(os.path.normpath(model_dir)), target=target, proposer=proposer,
-      encode=lambda text, special: tok.encode(text, add_special_tokens=special).ids,
-      decode=lambda ids: tok.decode(list(ids), skip_special_tokens=True), eos_token_id=eos,
-      chat_template=chat_template if chat_template is not None else _chat_template(model_dir, settings),
-      bos_token=_token_text(settings.get("bos_token")), eos_token=_token_text(settings.get("eos_token")))
-
-
-def _tokenizer_config(model_dir) -> dict:
-  file = os.path.join(os.fspath(model_dir), "tokenizer_config.json")
-  if not os.path.isfile(file):
-    return {}
-  try:
-    with open(file, encoding="utf-8") as f:
-      settings = json.load(f)
-  except (OSError, ValueError) as e:
-    raise validate.InvalidValue(file, f"{file} is not a JSON file: {e}") from e
-  if not isinstance(settings, dict):
-    raise validate.InvalidValue(file, f"{file} must hold a JSON object")
-  return settings
-
-
-def _chat_template(model_dir, settings: dict) -> str | None:
-  file = os.path.join(os.fspath(model_dir), "chat_template.jinja")
-  if os.path.isfile(file):
-    with open(file, encoding="utf-8") as f:
-      return f.read()
-  template = settings.get("chat_template")
-  if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
-    template = next((t.get("template") for t in template if isinstance(t, dict) and t.get("name") == "default"), None)
-  return template if isinstance(template, str) else None
-
-
-def _token_text(token) -> str:
-  if isinstance(token, dict):  # {"content": "<s>", ...} as tokenizer_config.json writes added tokens
-    token = token.get("content")
-  return token if isinstance(token, str) else ""
-
-
-def chat_prompt(template: str, messages: list[dict], *, bos_token: str = "", eos_token: str = "") -> str:
-  """The prompt text of chat `messages` ([{"role": str, "content": str}, ...]) under a Jinja chat
-  template (rendered sandboxed, with add_generation_prompt=True); a template error raises
-  validate.InvalidValue naming "messages"."""
-  env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-
-  def raise_exception(message):
-    raise jinja2.exceptions.TemplateError(message)
-
-  env.globals["raise_exception"] = raise_exception
-  try:
-    return env.from_string(template).render(messages=messages, add_generation_prompt=True, bos_token=bos_token,
-                                            eos_token=eos_token)
-  except jinja2.exceptions.TemplateError as e:
-    raise validate.InvalidValue("messages", f"the chat template refused the messages: {e}") from e
-
-
-# -- text --
-
-
-class TextStream:
-  """A request's continuation as text, piece by piece as tokens come, with stop strings cut.
-
-  Each `push` decodes all tokens so far (a token may change how its neighbours decode) and returns
-  the text not yet returned, holding back a trailing U+FFFD (a multi-byte character may be cut)
-  and any tail that could be the start of a stop string. Once a stop string appears, the text
-  before it is returned and `stopped` is set; the stop string is not returned (as OpenAI does).
-  """
-
-  def __init__(self, decode: Callable[[Sequence[int]], str], stop: Sequence[str] = ()):
-    self.decode, self.stop = decode, tuple(stop)
-    self.ids: list[int] = []
-    self.sent = 0
-    self.stopped = False
-
-  def push(self, new_ids: Sequence[int], final: bool = False) -> str:
-    self.ids += list(new_ids)
-    text = self.decode(self.ids)
-    found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-    if found:
-      self.stopped = True
-      end = min(found)
-    elif final:
-      end = len(text)
-    else:
-      end = len(text.rstrip("\ufffd"))
-      end -= max((n for s in self.stop for n in range(len(s) - 1, 0, -1) if text[:end].endswith(s[:n])), default=0)
-    piece = text[self.sent:max(end, self.sent)]
-    self.sent = max(end, self.sent)
-    return piece
-
-
-# -- the engine thread --
-
-
-@dataclasses.dataclass(frozen=True)
-class Update:
-  """What one engine step gave a request: its new tokens, and its final status once it ended
-  ("finished", "out_of_pages", "cancelled", "timed_out"); error: the engine failed."""
-
-  tokens: tuple[int, ...] = ()
-  status: str | None = None
-  error: str | None = None
-
-
-class EngineFailed(RuntimeError):
-  """The engine thread's step raised: the server answers 503 from then on."""
-
-
-class EngineThread:
-  """The one thread that owns an Engine: runs commands posted from other threads between steps,
-  steps while requests are live, and sends each tracked request its `Update`s through its sink
-  (a callable run on this thread; the server's puts into an asyncio queue thread-safely)."""
-
-  def __init__(self, engine: Engine):
-    self.engine = engine
-    self.error: str | None = None
-    self._commands: queue.SimpleQueue = queue.SimpleQueue()
-    self._sinks: dict[int, Callable[[Update], None]] = {}
-    self._thread = threading.Thread(target=self._loop, name="mtp-jax-engine", daemon=True)
-
-  def start(self) -> None:
-    self._thread.start()
-
-  def stop(self, timeout: float | None = None) -> None:
-    """Cancels the live requests (their sinks get status "cancelled") and ends the thread."""
-    self._commands.put(None)
-    self._thread.join(timeout)
-
-  def post(self, command: Callable[[Engine], object]) -> None:
-    """Runs command(engine) on the engine thread before its next step (errors are logged)."""
-    self._commands.put(command)
-
-  def call(self, command: Callable[[Engine], object]) -> asyncio.Future:
-    """command(engine) on the engine thread; its result (or exception) in a future of the calling loop."""
-    loop = asyncio.get_running_loop()
-    future = loop.create_future()
-
-    def run(engine):
-      try:
-        result, error = command(engine), None
-      except Exception as e:  # handed to the caller, which answers with it
-        result, error = None, e
-      loop.call_soon_threadsafe(_settle, future, result, error)
-    self.post(run)
-    return future
-
-  def add(self, sink: Callable[[Update], None], prompt: list[int], max_new_tokens: int, **settings) -> asyncio.Future:
-    """engine.add_request(prompt, max_new_tokens, **settings) with `sink` receiving its updates;
-    a future of the request id."""
-    def add(engine):
-      if self.error is not None:
-        raise EngineFailed(self.error)
-      rid = engine.add_request(prompt, max_new_tokens, **settings)
-      self._sinks[rid] = sink
-      return rid
-    return self.call(add)
-
-  def cancel(self, request_id: int) -> None:
-    """Stops a request that is still live (its slot and pages are freed); no more updates come."""
-    def cancel(engine):
-      if self._sinks.pop(request_id, None) is not None:
-        engine.cancel(request_id)
-        engine.forget(request_id)
-    self.post(cancel)
-
-  def _loop(self) -> None:
-    while True:
-      live = self.error is None and (self.engine.num_running or self.engine.num_waiting)
-      commands = []
-      try:
-        commands.append(self._commands.get(block=not live))
-        while True:
-          commands.append(self._commands.get_nowait())
-      except queue.Empty:
-        pass
-      for command in commands:
-        if command is None:
-          self._end("cancelled")
-          return
-        try:
-          command(self.engine)
-        except Exception:
-          log.exception("engine command failed")
-      if self.error is None and (self.engine.num_running or self.engine.num_waiting):
-        try:
-          gained = self.engine.step()
-        except Exception as e:  # the state may be half-donated: no more steps
-          log.error("engine step failed; the server stops decoding:\n%s", traceback.format_exc())
-          self.error = f"the engine failed: {type(e).__name__}: {e}"
-          self._end(None)
-          continue
-        self._dispatch(gained)
-
-  def _dispatch(self, gained: dict[int, list[int]]) -> None:
-    for rid, sink in list(self._sinks.items()):
-      status = self.engine.requests[rid].status
-      status = None if status in ("waiting", "running") else status
-      new = gained.get(rid, ())
-      if new or status is not None:
-        sink(Update(tuple(new), status))
-      if status is not None:  # delivered: the engine need not keep its record
-        del self._sinks[rid]
-        self.engine.forget(rid)
-
-  def _end(self, status: str | None) -> None:
-    for rid, sink in self._sinks.items():
-      if status is not None:
-        self.engine.cancel(rid)
-        self.engine.forget(rid)
-      sink(Update(status=status, error=self.error))
-    self._sinks.clear()
-
-
-def _settle(future: asyncio.Future, result, error) -> None:
-  if future.cancelled():
-    return
-  if error is not None:
-    future.set_exception(error)
-  else:
-    future.set_result(result)
 
 
 # -- requests --
@@ -686,15 +417,6 @@ async def _disconnected(request: HttpRequest) -> None:
 
 
 # -- running --
-
-
-def warm_up(engine: Engine, model: ServedModel) -> None:
-  """Compiles the engine's programs with one short request, so the first client's time to first
-  token is not a compile (the request is counted in the metrics)."""
-  prompt = model.encode("Hello", False) or [0]
-  rid = engine.add_request(prompt, 2)
-  engine.run()
-  engine.forget(rid)
 
 
 def serve(engine: Engine, model: ServedModel, *, host: str = "127.0.0.1", port: int = 8000, warmup: bool = True,

@@ -70,7 +70,9 @@ class DecodeStep:
   @functools.cached_property
   def drafter(self) -> Drafter | None:
     st = self.settings
-    return None if st.num_drafts == 0 else Drafter(st.num_drafts, st.tree, st.draft_masks, st.sampled, st.acceptance)
+    if st.num_drafts == 0:
+      return None
+    return Drafter(st.num_drafts, st.tree, st.draft_masks, st.sampled, st.acceptance, st.verify_drafts)
 
   def replace(self, **changes) -> "DecodeStep":
     """The step for these settings with `changes` (StepSettings fields)."""
@@ -326,7 +328,10 @@ class DecodeStep:
       allowed_BxN = jnp.take_along_axis(mask_BxRxV[:, parent_of], drafts_BxK[..., None], axis=-1)[..., 0]
     draft_probs = s.tree_probs if tree is not None else (
         None if s.proposer is None or s.proposer.draft_probs is None else s.proposer.draft_probs[:, :k])
-    verdict = self.verifier.verify(logits, drafts_BxK, draft_probs, allowed_BxN, s.slots, s.num_out)
+    slots = s.slots
+    if s.proposer is not None:  # after a narrower step, the drafts past its width were not drafted
+      slots = slots.set(num_drafts=jnp.minimum(slots.num_drafts, s.proposer.num_drafted))
+    verdict = self.verifier.verify(logits, drafts_BxK, draft_probs, allowed_BxN, slots, s.num_out)
     a_B, next_B = jnp.where(active_B, verdict.accepted, 0), verdict.next_token
     if verdict.path is not None:  # a tree: its accepted path plays the drafts' part
       path_BxK1 = verdict.path
@@ -341,7 +346,7 @@ class DecodeStep:
     s2, n_B = self._emit(s, new_BxK1, a_B + 1, active_B)
     # The target keeps its rows for [last, d_1..d_a]; the rest were rejected.
     tstate = trim_target(tstate, old_len + jnp.where(active_B, a_B + 1, 0))
-    verified_B = jnp.minimum(s.slots.num_drafts, k)
+    verified_B = jnp.minimum(slots.num_drafts, k)
     per_position = lambda n_B: jnp.sum(active_B[:, None] & (jnp.arange(k)[None] < jnp.reshape(n_B, (-1, 1))), axis=0)
     s2 = s2.set(target=tstate, last=jnp.where(active_B, next_B, s.last),
                 target_calls=s.target_calls + active_B, verify_calls=s.verify_calls + active_B,
