@@ -264,6 +264,25 @@ def test_module_work_follows_the_width_and_outputs_stay_exact():
   assert m["drafts_accepted_total"] > 0 and m["drafts_proposed_at"][0] < m["verify_steps_total"]
 
 
+def test_calibrate_times_every_width_and_bucket_before_traffic():
+  """calibrate() fills the cost model at every (width, bucket) with 2 timed calls and leaves the
+  engine as it found it: no request, page or metric of its synthetic requests is left, the
+  acceptance counts are untouched, and a request then runs exactly."""
+  engine = Engine(TARGET5, PROPOSER5, max_batch=2, max_len=64, page_size=2, num_pages=40)
+  policy = engine.calibrate(calls=2)
+  assert all(len(policy.seconds[k, b]) >= 2 for k in range(K + 1) for b in (1, 2))
+  assert policy.proposed_at.sum() == 0
+  m = engine.metrics()
+  assert (m["requests_recorded"], m["requests_cancelled_total"], m["steps_total"], m["drafts_proposed_total"]) == (
+      0, 0, 0, 0)
+  assert engine.free_pages() == 40
+  rid = engine.add_request([1, 2, 3], 20)
+  assert engine.run()[rid] == _alone((1, 2, 3))[:20]
+  with pytest.raises(ValueError, match="calibrate measures num_drafts=\"auto\"") as e:
+    Engine(TARGET5, PROPOSER5, **SETTINGS).calibrate()
+  assert e.value.argument == "num_drafts"
+
+
 def test_auto_width_changes_and_greedy_output_stays_exact():
   """num_drafts="auto" (the default with a proposer) tries each width while it measures: the width
   changes from call to call, and every request still equals generate alone."""

@@ -313,6 +313,51 @@ class Engine:
     self._step_seconds += now - t0
     return gained
 
+  def calibrate(self, *, calls: int = 3, prompt_len: int = 16) -> DraftPolicy:
+    """Measures the step-time cost model of num_drafts="auto" before traffic: at every batch bucket
+    (1, 2, 4, .. max_batch running requests) and every width k = 0..K, runs synthetic requests
+    (prompt_len tokens, drafting k) until `calls` decode calls that built no program were timed.
+    The policy then chooses from measured times at once instead of exploring during traffic; its
+    acceptance counts are left as they were (synthetic prompts say nothing about real ones). Needs
+    an "auto" engine with nothing running or waiting; returns its `DraftPolicy` (pass it to
+    another engine on the same models and machine with `Engine(draft_policy=)`)."""
+    calls = validate.positive_int("calls", calls)
+    if self.policy is None:
+      raise validate.InvalidValue("num_drafts", 'calibrate measures num_drafts="auto": this engine has no DraftPolicy')
+    if self.num_running or self.num_waiting:
+      raise validate.InvalidValue("calibrate", "calibrate runs on an idle engine (requests are running or waiting)")
+    rows = self.defaults.rows_per_step
+    prompt_len = validate.integer("prompt_len", prompt_len, 1, self.max_len - rows - 1)
+    prompt = [i % self.target.cfg.vocab_size for i in range(prompt_len)]
+    new = (calls + 2) * self.steps_per_call * rows
+    acceptance = self.policy.accepted_at.copy(), self.policy.proposed_at.copy()
+    counters = (self._ttft, self._itl, self._steps, self._step_seconds, self._verify_steps, self._accepted_at,
+                self._proposed_at, collections.Counter(self._ended), self._tokens_total)
+    self._ttft, self._itl = Samples(), Samples()
+    buckets = [1 << i for i in range(len(self._slots).bit_length()) if 1 << i <= len(self._slots)]
+    for bucket in buckets:
+      for k in range(self.max_drafts, -1, -1):
+        key = (k, DraftPolicy.bucket(bucket))
+        # All `bucket` requests must hold their pages at once, or some would wait and run fewer.
+        fits = min(self.max_len, self.num_pages // bucket * self.page_size) - prompt_len - rows
+        if fits < 1:
+          raise validate.InvalidValue("prompt_len", f"{bucket} calibration requests of prompt_len={prompt_len} "
+                                                    f"do not fit in num_pages={self.num_pages} pages together")
+        ids = [self.add_request(prompt, min(new, fits), num_drafts=k) for _ in range(bucket)]
+        before = len(self.policy.seconds.get(key, ()))
+        while (self.num_running or self.num_waiting) and len(self.policy.seconds.get(key, ())) < before + calls:
+          self.step()
+        for rid in ids:
+          self.cancel(rid)
+          self.forget(rid)
+    self.policy.accepted_at, self.policy.proposed_at = acceptance
+    # The synthetic requests are no traffic: metrics() reads as before them.
+    (self._ttft, self._itl, self._steps, self._step_seconds, self._verify_steps, self._accepted_at,
+     self._proposed_at, self._ended, self._tokens_total) = counters
+    self._s = self._s.set(accepted_at=jnp.asarray(self._accepted_at, jnp.int32),
+                          proposed_at=jnp.asarray(self._proposed_at, jnp.int32))
+    return self.policy
+
   def _set_width(self) -> None:
     """Sets the drafts the next call verifies: the most any running request asks for, "auto" ones
     as the `DraftPolicy` says (a tree engine verifies its whole tree, capped per request)."""
