@@ -19,6 +19,7 @@ import bench_fp8  # noqa: E402
 import bench_mla  # noqa: E402
 import bench_propose  # noqa: E402
 import demo_report  # noqa: E402
+import device  # noqa: E402
 import few_row_dots  # noqa: E402
 import hot_path_ab  # noqa: E402
 import plots  # noqa: E402
@@ -29,7 +30,7 @@ import vs_transformers  # noqa: E402
 
 SCRIPTS = ("bench_propose.py", "bandwidth.py", "hot_path_ab.py", "scaling.py", "vs_transformers.py", "bench_mla.py",
            "bench_paged.py", "serve_bench.py", "demo_report.py", "bench_fp8.py", "step_breakdown.py",
-           "few_row_dots.py", "serve_http.py", "acceptance.py")
+           "few_row_dots.py", "serve_http.py", "acceptance.py", "device.py")
 # Runs each script as __main__ with --help, from "/", in one interpreter (one jax import for all),
 # as `python benchmarks/<script>.py` would.
 _RUN_AS_MAIN = """
@@ -198,3 +199,23 @@ def test_serve_http_quick(capsys):
   # each cell's requests all came back (4 of 4), with drafts (2, auto) and without (0); no page left held
   assert all(f"| {k} | {c} | 4 | " in out for k in (2, "auto", 0) for c in (1, 4))
   assert "Pages in use after the load: 0, 0 and 0." in out
+
+
+@pytest.mark.slow
+def test_device_cpu_quick(tmp_path, capsys):
+  """The device script's --cpu run: every correctness check passed, and every row is in the JSON file."""
+  path = tmp_path / "d.json"
+  assert device.main(["--cpu", "--json", str(path)]) == 0
+  rows = [json.loads(line) for line in path.read_text().splitlines()]
+  assert all({"section", "what"} <= set(r) for r in rows)
+  checks = [r for r in rows if r["section"] == "correctness"]
+  assert [(r["model"], r["dtype"]) for r in checks] == [("demo large", "float32"), ("random GQA x2", "float32"),
+                                                        ("random MLA x2", "bfloat16")]
+  assert all(r["passed"] and r["verdict"] in ("equal", "near-tie") for r in checks)
+  # Timing cells may be skipped on a busy machine, but each section prints its table and the first
+  # generate cell always runs while the deadline is ahead.
+  assert set(device.SECTIONS) <= {r["section"] for r in rows}
+  generated = [r for r in rows if r["section"] == "generate" and "tokens_per_s" in r]
+  assert generated and all({"model", "batch", "k", "spec_over_plain", "ms_per_call"} <= set(r) for r in generated)
+  assert rows[-1] == dict(section="end", what="correctness", value="all passed", failures=0)
+  assert "| spec == plain, token by token | demo large | float32 | 4 | 3 | equal |" in capsys.readouterr().out
