@@ -2,13 +2,16 @@
 
   python benchmarks/scaling.py --json scaling.json
   python benchmarks/demo_report.py --json demo.json --tree 2 --tree 3 --tree 1,2 --tree 2,1,1 --tree 2,2,2
-  python benchmarks/plots.py --scaling scaling.json --demo demo.json     # -> docs/img/*.png
+  python benchmarks/serve_bench.py --json serve.json
+  python benchmarks/plots.py --scaling scaling.json --demo demo.json --serve serve.json   # -> docs/img/*.png
 
 Figures (each input is optional; only the figures of the inputs given are drawn):
   scaling.png  spec/plain tokens/s against the target's weight MB, one line per k (--scaling)
   chains.png   acceptance per draft depth and speedup vs plain against k, the chain rows (--demo)
   trees.png    mean accepted length against target rows per verify step, chains and trees (--demo;
                only when the report has tree rows)
+  serving.png  the Engine's tokens/s against max_batch, one line per width and "auto", a panel per
+               model (--serve)
 Each figure's title carries the settings and the device read from its JSON.
 """
 
@@ -127,15 +130,41 @@ def plot_trees(result: dict, path: str) -> None:
   plt.close(fig)
 
 
+def plot_serving(result: dict, path: str) -> None:
+  """Engine tokens/s against max_batch, a line per width, a panel per model, from serve_bench.py --json."""
+  rows = result["rows"]
+  models = list(dict.fromkeys(r["model"] for r in rows))
+  fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 3.6), squeeze=False)
+  for ax, model in zip(axes[0], models):
+    mine = [r for r in rows if r["model"] == model]
+    for width in dict.fromkeys(r["width"] for r in mine):
+      line = [r for r in mine if r["width"] == width]
+      style = dict(ls="--", lw=2) if width.startswith("auto") else {}
+      label = width if width.startswith("auto") else f"k = {width}"
+      ax.plot([r["max_batch"] for r in line], [r["tokens_per_s"] for r in line], marker="o", label=label, **style)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("max_batch (slots)")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(model, fontsize=9)
+    ax.legend(fontsize=7)
+  s = result["settings"]
+  fig.suptitle(f"Engine, {s['table_requests']} x max_batch requests of {s['table_output']} tokens; "
+               f"{_device(result)}", fontsize=9)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def main(argv=None) -> list[str]:
   """Draws the figures of the inputs given; returns the paths written."""
   parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   parser.add_argument("--scaling", metavar="JSON", help="benchmarks/scaling.py --json output")
   parser.add_argument("--demo", metavar="JSON", help="benchmarks/demo_report.py --json output")
+  parser.add_argument("--serve", metavar="JSON", help="benchmarks/serve_bench.py --json output")
   parser.add_argument("--out", default=DOCS_IMG, help="folder for the PNGs (default docs/img)")
   args = parser.parse_args(argv)
-  if not (args.scaling or args.demo):
-    parser.error("give --scaling and / or --demo")
+  if not (args.scaling or args.demo or args.serve):
+    parser.error("give --scaling, --demo and / or --serve")
   os.makedirs(args.out, exist_ok=True)
   written = []
   if args.scaling:
@@ -149,6 +178,9 @@ def main(argv=None) -> list[str]:
     if any(r["tree"] is not None for r in result["report"]["rows"]):
       written.append(os.path.join(args.out, "trees.png"))
       plot_trees(result, written[-1])
+  if args.serve:
+    written.append(os.path.join(args.out, "serving.png"))
+    plot_serving(_load(args.serve, "serve_bench"), written[-1])
   for p in written:
     print("wrote", p)
   return written

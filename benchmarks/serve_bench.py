@@ -11,19 +11,24 @@ step times and acceptance), with k = K, and without a proposer. Columns: tokens/
 time to first token, inter-token latency and request latency (to the last token) p50 / p99 from
 the moment all requests arrived.
 
-Part 2, the trained model: the Engine's tokens/s against max_batch for k = 0 (no proposer), 1,
-K and "auto" (new policy / policy kept), each over a stream of 2 x max_batch requests.
+Part 2, the trained and the random model: the Engine's tokens/s against max_batch for k = 0 (no
+proposer), 1..K and "auto" (a new policy each pass, which measures as it goes, and a policy
+calibrated before the stream by `Engine.calibrate` and kept), each over a stream of 4 x max_batch
+requests long enough for about 30 decode calls at k = K, with the cell's ITL p50 / p99, TTFT p50 /
+p99 and decode calls (`--json PATH` writes every cell; `plots.py` draws tokens/s against
+max_batch from it).
 
 All greedy. Each configuration runs until a pass compiles nothing (a long-running server compiles
 each program once); the median of 3 such passes is shown. Before the
 "auto" rows, the stream also runs once at each fixed k = 0..K, which compiles most steps "auto"
 may pick. The counts of outputs equal to generate's are printed.
-Run: python benchmarks/serve_bench.py [--quick].
+Run: python benchmarks/serve_bench.py [--quick] [--json PATH].
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -40,9 +45,9 @@ except ImportError:  # run as `python benchmarks/x.py` from a checkout that is n
 from mtp_jax import data, demo_models
 
 FULL = dict(num_requests=16, max_batch=8, prompt_lens=(16, 128), output_lens=(16, 64), max_len=256, page_size=32,
-            batches=(1, 2, 4, 8), table_output=32, passes=6, repeats=3)
+            batches=(1, 2, 4, 8), table_output=96, table_requests=4, passes=6, repeats=3)
 QUICK = dict(num_requests=6, max_batch=2, prompt_lens=(4, 40), output_lens=(4, 24), max_len=96, page_size=16,
-             batches=(1, 2), table_output=8, passes=2, repeats=1)
+             batches=(1, 2), table_output=8, table_requests=2, passes=2, repeats=1)
 
 
 def _requests(n, opts, seed):
@@ -68,7 +73,7 @@ def _engine_pass(target, proposer, requests, opts, num_drafts, max_batch, policy
   m = engine.metrics()
   return dict(wall=wall, out=[out[i] for i in ids], ttft=[r.first_token_at - t0 for r in reqs],
               itl=(m["itl_seconds_p50"], m["itl_seconds_p99"]), last=[r.finished_at - t0 for r in reqs],
-              accepted=m["mean_accepted_length"])
+              accepted=m["mean_accepted_length"], calls=m["steps_total"])
 
 
 def _generate_pass(target, proposer, requests, max_batch):
@@ -139,33 +144,52 @@ def _stream_table(name, target, proposer, opts, k):
           f"{equal}/{len(requests)} |")
 
 
-def _batch_table(target, proposer, opts, k):
-  widths = [("0", None, None), ("1", proposer, 1), (str(k), proposer, k), ("auto", proposer, "auto"),
-            ("auto, policy kept", proposer, "kept")]
-  print(f"\n## Engine tokens/s against max_batch (trained model; 2 x max_batch requests of {opts['table_output']} "
-        "tokens, prompts as above)\n")
-  print("| max_batch | " + " | ".join(f"k={w}" for w, _, _ in widths) + " | auto / policy kept vs best fixed k |")
+def _batch_table(name, target, proposer, opts, k, cells):
+  """Tokens/s against max_batch for every fixed width and "auto"; each cell also goes to `cells`."""
+  widths = [("0", None, None)] + [(str(w), proposer, w) for w in range(1, k + 1)] + [
+      ("auto", proposer, "auto"), ("auto, calibrated", proposer, "calibrated")]
+  n_fixed = k + 1
+  print(f"\n## {name}: Engine tokens/s against max_batch ({opts['table_requests']} x max_batch requests of "
+        f"{opts['table_output']} tokens, prompts as above)\n")
+  print("| max_batch | " + " | ".join(w if w.startswith("auto") else f"k={w}" for w, _, _ in widths) +
+        " | auto / calibrated vs best fixed k |")
   print("|---" * (len(widths) + 2) + "|")
+  lat = []
   for b in opts["batches"]:
     # Each row compiles its own programs (another batch size); XLA:CPU maps each one's code, and
     # keeping them all ran this process out of memory maps.
     jax.clear_caches()
-    requests = [(p, opts["table_output"]) for p, _ in _requests(2 * b, opts, seed=2)]
+    requests = [(p, opts["table_output"]) for p, _ in _requests(opts["table_requests"] * b, opts, seed=2)]
     tokens = len(requests) * opts["table_output"]
-    for w in range(2, k):  # the widths "auto" may pick that no column compiles
-      _engine_pass(target, proposer, requests, opts, w, b)
-    policy = mtp_jax.serving.DraftPolicy(k)
-    run = lambda prop, nd: lambda: _engine_pass(target, prop, requests, opts, "auto" if nd == "kept" else nd, b,
-                                                policy if nd == "kept" else None)
-    rates = [tokens / _settled(run(prop, nd), opts["passes"], opts["repeats"])["wall"] for _, prop, nd in widths]
-    print(f"| {b} | " + " | ".join(f"{r:.1f}" for r in rates) + f" | {rates[-2] / max(rates[:3]):.2f}x / "
-          f"{rates[-1] / max(rates[:3]):.2f}x |")
+    calibrated = mtp_jax.Engine(target, proposer, max_batch=b, max_len=opts["max_len"],
+                                page_size=opts["page_size"]).calibrate()
+    run = lambda prop, nd: lambda: _engine_pass(target, prop, requests, opts, "auto" if nd == "calibrated" else nd,
+                                                b, calibrated if nd == "calibrated" else None)
+    rates, row = [], []
+    for label, prop, nd in widths:
+      r = _settled(run(prop, nd), opts["passes"], opts["repeats"])
+      rates.append(tokens / r["wall"])
+      cell = dict(model=name, max_batch=b, width=label, tokens_per_s=rates[-1], decode_calls=r["calls"],
+                  ttft_p50=_q(r["ttft"], .5), ttft_p99=_q(r["ttft"], .99), itl_p50=r["itl"][0], itl_p99=r["itl"][1])
+      cells.append(cell)
+      row.append(cell)
+    best = max(rates[:n_fixed])
+    print(f"| {b} | " + " | ".join(f"{r:.1f}" for r in rates) + f" | {rates[-2] / best:.2f}x / "
+          f"{rates[-1] / best:.2f}x |", flush=True)
+    lat.append(row)
+  print("\n| max_batch | width | ITL p50 / p99 ms | TTFT p50 / p99 s | decode calls |\n|---|---|---|---|---|")
+  for row in lat:
+    for c in row:
+      print(f"| {c['max_batch']} | {c['width']} | {1e3 * c['itl_p50']:.1f} / {1e3 * c['itl_p99']:.1f} | "
+            f"{c['ttft_p50']:.2f} / {c['ttft_p99']:.2f} | {c['decode_calls']} |")
 
 
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="the small demo model, a few short requests (a smoke run)")
-  quick = ap.parse_args(argv).quick
+  ap.add_argument("--json", type=Path, default=None, help="write part 2's cells here (for plots.py)")
+  args = ap.parse_args(argv)
+  quick = args.quick
   opts = QUICK if quick else FULL
   name = "small" if quick else demo_models.default_demo()
   target, proposer, _ = demo_models.load_demo(name=name)
@@ -177,7 +201,14 @@ def main(argv=None) -> None:
   _stream_table(f"trained {name} demo model", target, proposer, opts, k)
   jax.clear_caches()
   _stream_table(f"random model of the {name} demo's shape", random_target, random_proposer, opts, k)
-  _batch_table(target, proposer, opts, k)
+  cells = []
+  for label, t, p in ((f"trained {name} demo", target, proposer), (f"random {name}-shaped", random_target,
+                                                                     random_proposer)):
+    _batch_table(label, t, p, opts, k, cells)
+  if args.json:
+    args.json.write_text(json.dumps(dict(benchmark="serve_bench", backend=jax.default_backend(),
+                                         device_kind=jax.devices()[0].device_kind, jax_version=jax.__version__,
+                                         settings=opts, rows=cells), indent=1))
   print(f"\nload average at the end {os.getloadavg()[0]:.2f}")
 
 

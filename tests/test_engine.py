@@ -310,7 +310,7 @@ def test_auto_width_changes_and_greedy_output_stays_exact():
   again = Engine(TARGET5, PROPOSER5, max_batch=2, max_len=64, page_size=2, num_pages=40, draft_policy=engine.policy)
   rid = again.add_request([1, 2, 3], 20)
   a, p = engine.policy.accepted_at, engine.policy.proposed_at  # kept too: the first engine's measured rates
-  rate = [a[i] / p[i] if p[i] >= 16 else 0.5 ** (i + 1) for i in range(K)]
+  rate = [(a[i] + 4 * 0.5 ** (i + 1)) / (p[i] + 4) for i in range(K)]
   gain = lambda k: (1 + sum(rate[:k])) / engine.policy.step_seconds(k, 1)
   again.step()
   assert again.metrics()["verify_width"] == max(range(K + 1), key=gain)
@@ -326,7 +326,8 @@ def test_draft_policy_tries_each_width_then_picks_the_most_tokens_per_second():
   assert picks == [3, 2, 1, 0]  # untried widths first, widest first
   assert policy.choose(1) == 3  # equal step times: drafts are free (prior acceptance)
   policy.observe([0, 0, 0], [100] * 3)
-  assert policy.choose(1) == 0  # measured: drafts are never accepted
+  assert policy.rates()[0] < 0.02  # measured: drafts are all but never accepted (the prior weighs 4 verifications)
+  assert policy.choose(1) == 3  # yet at equal step times even those few pay
   policy.record(3, 1, 0.04, steps=4)  # a call of 4 steps and one cut short after 1: 0.05 s / 5 steps
   policy.record(3, 1, 0.01)
   assert policy.step_seconds(3, 1) == pytest.approx((0.01 + 0.04 + 0.01) / 6)
@@ -425,3 +426,19 @@ class TestErrors:
       Engine(TARGET5, PROPOSER5, max_len=64, page_size=6)
     with pytest.raises(ValueError, match="num_pages=7 is too small for one sequence"):
       Engine(TARGET5, PROPOSER5, max_len=64, page_size=8, num_pages=7)
+
+
+def test_policy_turns_speculation_off_when_drafts_are_rejected_and_probes_back():
+  """With measured step times where drafting costs 30% a width, a few all-rejected verifications
+  pull the acceptance prior down and k = 0 wins; while it does, every PROBE_EVERY-th call runs
+  k = 1, and acceptance that comes back turns speculation on again."""
+  policy = DraftPolicy(K)
+  for k in range(K + 1):
+    policy.record(k, 4, 1.0 + 0.3 * k)
+  policy.choices[4] = 1  # so neither probes nor runner-up reruns fall in the first calls below
+  assert policy.choose(4) == 1  # the prior, 0.5, 0.25, 0.125 accepted: 1.5 / 1.3 beats 1 / 1.0 and 1.75 / 1.6
+  policy.observe([0] * K, [8] * K)  # eight verifications, none accepted
+  picks = [policy.choose(4) for _ in range(2 * DraftPolicy.PROBE_EVERY)]
+  assert picks.count(1) == 2 and set(picks) == {0, 1}
+  policy.observe([200, 0, 0], [200, 0, 0])  # the probes find position 0 always accepted
+  assert policy.choose(4) > 0

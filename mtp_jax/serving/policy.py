@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import typing
 
 import jax
 import numpy as np
@@ -32,20 +33,25 @@ class DraftPolicy:
   It keeps the measured seconds per decode step for each width k = 0..K and batch bucket (running
   requests rounded up to a power of two) and the drafts accepted and verified per position, and
   picks the k with the most tokens per second: running x (1 + sum_{i<k} r_i) / seconds(k, bucket),
-  r_i the measured rate at which draft i is accepted when verified (a prior of 0.5^(i + 1) until
-  16 verifications). At a bucket not yet timed the widest width runs first; a width not timed
-  there takes the widest one's time there scaled by their ratio at the nearest bucket that timed
-  both, or is tried when no bucket did (widest first). A width chosen on an estimate is timed as
-  it runs, so an estimate that flattered it is replaced after one call, and a stream's smaller
-  buckets (its tail) do not spend their few calls timing every width. Every 4th call at a bucket
-  runs the runner-up instead when it is within a tenth of the best (call times here move by that
-  much, so such widths are ranked by noise until timed again). A call during which JAX
-  built a program (traced, then compiled or read it from a cache) is not a sample. So a step
-  drafts like k = K where drafts pay (few requests, high acceptance) and less, down to 0, where
-  the wider target forward costs more than the tokens it wins (many requests, low acceptance).
-  Both measurements belong to the models, batch size and machine, not to one engine: an engine
-  built again can start from them (`Engine(draft_policy=)`).
+  r_i the measured rate at which draft i is accepted when verified (`rates`: the counts blended with
+  a prior of 0.5^(i + 1) worth PRIOR_WEIGHT verifications). When speculation is off (k = 0 wins),
+  every PROBE_EVERY-th call at a bucket runs k = 1 as a probe, so acceptance is still measured and
+  speculation comes back when drafts start to pay. At a bucket not yet timed the widest width runs
+  first; a width not timed there takes the widest one's time there scaled by their ratio at the
+  nearest bucket that timed both, or is tried when no bucket did (widest first). A width chosen on
+  an estimate is timed as it runs, so an estimate that flattered it is replaced after one call, and
+  a stream's smaller buckets (its tail) do not spend their few calls timing every width. Every 4th
+  call at a bucket runs the runner-up instead when it is within a tenth of the best (call times here
+  move by that much, so such widths are ranked by noise until timed again). A call during which JAX
+  built a program (traced, then compiled or read it from a cache) is not a sample. So a step drafts
+  like k = K where drafts pay (few requests, high acceptance) and less, down to 0, where the wider
+  target forward costs more than the tokens it wins (many requests, low acceptance). Both
+  measurements belong to the models, batch size and machine, not to one engine: an engine built
+  again can start from them (`Engine(draft_policy=)`).
   """
+
+  PRIOR_WEIGHT: typing.ClassVar[int] = 4  # verifications the prior of `rates` weighs
+  PROBE_EVERY: typing.ClassVar[int] = 16  # calls at a bucket between probes while k = 0 wins
 
   max_drafts: int
   seconds: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> recent calls' (seconds, steps)
@@ -70,10 +76,12 @@ class DraftPolicy:
       seconds[k] = self.step_seconds(k, b) if self.seconds.get((k, b)) else self._estimate(k, b)
       if seconds[k] is None:
         return k  # nothing to estimate it from: try it
-    rate = [a / p if p >= 16 else 0.5 ** (i + 1) for i, (a, p) in enumerate(zip(self.accepted_at, self.proposed_at))]
+    rate = self.rates()
     gain = {k: (1 + sum(rate[:k])) / seconds[k] for k in range(widest + 1)}
     best = max(gain, key=gain.get)  # a tie: the narrowest
     self.choices[b] = self.choices.get(b, 0) + 1
+    if best == 0 and widest and self.choices[b] % self.PROBE_EVERY == 0:
+      return 1
     if self.choices[b] % 4 == 0:
       # A call's time moves by a tenth here, so widths within a tenth of the best are ranked by
       # noise: every 4th call times the nearest of them again rather than trusting old samples.
@@ -81,6 +89,13 @@ class DraftPolicy:
       if close:
         return max(close, key=gain.get)
     return best
+
+  def rates(self) -> list[float]:
+    """The acceptance rate of each draft position: the measured counts plus PRIOR_WEIGHT
+    verifications at the prior 0.5^(i + 1), so a few verifications already move it (a model whose
+    drafts are rejected turns speculation off within a few calls) and none leave the prior."""
+    w = self.PRIOR_WEIGHT
+    return [(a + w * 0.5 ** (i + 1)) / (p + w) for i, (a, p) in enumerate(zip(self.accepted_at, self.proposed_at))]
 
   def _estimate(self, k: int, bucket: int) -> float | None:
     """Seconds of a step at width k and bucket, not timed there: the widest width's time there
