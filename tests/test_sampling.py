@@ -49,3 +49,24 @@ def test_row_probs_equal_filtered_probs_row_by_row():
   for i, (t, k, p) in enumerate(settings):
     np.testing.assert_allclose(got[i], filtered_probs(logits_BxV[i:i + 1], temperature=t, top_k=k, top_p=p)[0],
                                rtol=1e-5, atol=1e-7, err_msg=str(settings[i]))
+
+
+def test_draws_are_keyed_by_row_key_and_position_and_follow_the_distribution():
+  """Draws.sample: a row's token depends on its key, position and logits only (not its neighbours
+  or batch position); over many keys at one position it follows row_probs; greedy rows take the argmax."""
+  from mtp_jax.sampling import NOISE_TARGET, Draws, RowSampling, row_keys, row_probs
+  n = 20000
+  logits_BxV = jnp.broadcast_to(LOGITS, (n, 5))
+  rows = RowSampling.uniform(n, 1.0, 3)
+  toks = np.asarray(Draws.of(rows, row_keys(0, n), NOISE_TARGET, jnp.full((n,), 7)).sample(logits_BxV))
+  freq = np.bincount(toks, minlength=5) / n
+  np.testing.assert_allclose(freq, np.asarray(row_probs(LOGITS[None], RowSampling.uniform(1, 1.0, 3)))[0, 0],
+                             atol=0.015)
+  # Row 3's draw alone, in another batch, at another row index: the same token; another position: independent.
+  keys = row_keys(0, n)
+  alone = Draws.of(RowSampling.uniform(1, 1.0, 3), keys[3:4], NOISE_TARGET, jnp.asarray([7])).sample(LOGITS)
+  assert int(alone[0]) == toks[3]
+  moved = np.asarray(Draws.of(rows, keys, NOISE_TARGET, jnp.full((n,), 8)).sample(logits_BxV))
+  assert 0.3 < np.mean(moved == toks) < 0.6  # sum of p^2 over the top-3 renormalised: about 0.44
+  greedy = Draws.of(RowSampling.uniform(2), keys[:2], NOISE_TARGET, jnp.zeros((2,), jnp.int32))
+  assert np.asarray(greedy.sample(jnp.broadcast_to(LOGITS, (2, 5)))).tolist() == [0, 0]

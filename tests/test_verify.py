@@ -102,3 +102,25 @@ def test_verify_rows_greedy_rows_are_verify_greedy_and_sampled_rows_lossless():
       del temperature
       return verify.verify_rows(logits, drafts, q, jax.random.split(key, N), n_rows, jnp.full((N,), cap))
     assert _chi2_pvalue(_first_token_counts(rule, p_logits, q_probs, 0), p) > 1e-3, cap
+
+
+def test_gumbel_acceptance_keeps_the_targets_own_draws():
+  """verify_gumbel: drafts equal to the target's draws at their positions are all accepted and the
+  bonus is the target's next draw; a wrong draft is rejected and the target's draw replaces it;
+  the cap stops acceptance without changing the token; no draws is verify_greedy."""
+  from mtp_jax.sampling import NOISE_TARGET, Draws, RowSampling
+  b, k, v = 4, 3, 6
+  logits = jnp.asarray(np.random.default_rng(0).normal(size=(b, k + 1, v)), jnp.float32)
+  draws = Draws.of(RowSampling.uniform(b, 1.0), jax.random.split(jax.random.key(1), b), NOISE_TARGET,
+                   jnp.asarray([0, 5, 9, 2]))
+  target = np.stack([np.asarray(draws.at(i).sample(logits[:, i])) for i in range(k + 1)], axis=1)
+  a, nxt = verify.verify_gumbel(logits, target[:, :k], draws)
+  assert a.tolist() == [k] * b and nxt.tolist() == target[:, k].tolist()
+  wrong = target[:, :k].copy()
+  wrong[:, 1] = (wrong[:, 1] + 1) % v
+  a, nxt = verify.verify_gumbel(logits, wrong, draws)
+  assert a.tolist() == [1] * b and nxt.tolist() == target[:, 1].tolist()
+  a, nxt = verify.verify_gumbel(logits, target[:, :k], draws, jnp.asarray([0, 1, 2, 3]))
+  assert a.tolist() == [0, 1, 2, 3] and nxt.tolist() == [target[i, i] for i in range(b)]
+  greedy = verify.verify_greedy(logits, wrong)
+  assert [x.tolist() for x in verify.verify_gumbel(logits, wrong, None)] == [x.tolist() for x in greedy]
