@@ -278,9 +278,29 @@ def test_calibrate_times_every_width_and_bucket_before_traffic():
   assert engine.free_pages() == 40
   rid = engine.add_request([1, 2, 3], 20)
   assert engine.run()[rid] == _alone((1, 2, 3))[:20]
+  # The request's own drafts, and only them, reach both the metrics and the policy's acceptance.
+  m = engine.metrics()
+  assert m["drafts_proposed_total"] == policy.proposed_at.sum() > 0
+  assert m["drafts_accepted_total"] == policy.accepted_at.sum()
   with pytest.raises(ValueError, match="calibrate measures num_drafts=\"auto\"") as e:
     Engine(TARGET5, PROPOSER5, **SETTINGS).calibrate()
   assert e.value.argument == "num_drafts"
+
+
+def test_engine_config_is_typed_and_fields_override_it():
+  """Engine(t, p, EngineConfig(...), **fields): the fields override the config's; an unknown field
+  or a config of another type is refused by name."""
+  config = mtp_jax.serving.EngineConfig(**SETTINGS)
+  engine = Engine(TARGET5, PROPOSER5, config, max_batch=2)
+  assert (engine.config.max_batch, engine.config.max_len, engine.max_batch) == (2, 64, 2)
+  assert config.max_batch == 3  # frozen: the caller's config is not changed
+  rid = engine.add_request([1, 2, 3], 12)
+  assert engine.run()[rid] == _alone((1, 2, 3))[:12]
+  with pytest.raises(TypeError, match="max_batchh"):
+    Engine(TARGET5, PROPOSER5, config, max_batchh=2)
+  with pytest.raises(TypeError, match="config") as e:
+    Engine(TARGET5, PROPOSER5, dict(SETTINGS))
+  assert e.value.argument == "config"
 
 
 def test_auto_width_changes_and_greedy_output_stays_exact():

@@ -25,13 +25,15 @@ does not).
 
 Speculation adapts (`num_drafts="auto"`, `DraftPolicy`): before each call the engine picks how
 many drafts the target verifies from the running requests' count, the measured acceptance per
-draft position and the measured time of a step at each width; the proposer always drafts K, so
-any width may follow any other.
+draft position and the measured time of a step at each width; the modules draft that many and
+the deeper ones only catch up on the verified rows, so any width may follow any other.
+
+Its parts: admission.py (the queue, page reservations, chunked prefill), policy.py (the width),
+grammars.py (the grammar union), metrics.py (`Tally`, the counters), calibrate.py.
 """
 
 from __future__ import annotations
 
-import collections
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -46,114 +48,79 @@ from mtp_jax.blocks.paged import budget_bucket
 from mtp_jax.mtp import MtpModel
 from mtp_jax.serving import options
 from mtp_jax.serving.grammars import GrammarUnion
-from mtp_jax.serving.metrics import Samples
+from mtp_jax.serving.admission import Admission
+from mtp_jax.serving.calibrate import calibrate
+from mtp_jax.serving.metrics import Tally
 from mtp_jax.serving.policy import DraftPolicy, programs_built
-from mtp_jax.serving.requests import QueueFull, Request, check_eos, check_grammar, slot_settings
+from mtp_jax.serving.requests import Request, check_eos, check_grammar, slot_settings
 from mtp_jax.serving.generate import MIN_CAPACITY, padded_prompts
-from mtp_jax.serving.options import Paging, StepSettings
+from mtp_jax.serving.options import EngineConfig, Paging, StepSettings
 from mtp_jax.serving.step import DecodeStep
 from mtp_jax.serving.jit import (jit_free, jit_prefill_part, jit_prefill_slots, jit_run_for, jit_run_for_slots,
                                  jit_span_needed, jit_span_needed_on)
 from mtp_jax.target import TargetModel
-from mtp_jax.tree import TreeSpec
 
 
 class Engine:
   """Continuous batching: requests come and go; each slot is refilled as soon as it frees.
 
-  Args:
-    target, proposer: as for `generate` (proposer None decodes without drafts).
-    max_batch: slots decoded together.
-    max_len: rows per sequence: a request needs len(prompt) + max_new_tokens + R <= max_len, R
-      the rows of a step (K + 1, or a tree's nodes + 1).
-    page_size, num_pages: the paged caches (page_size must divide max_len; num_pages per layer,
-      default max_batch * max_len / page_size, at least max_len / page_size).
-    num_drafts: "auto" (the default with a proposer; see `DraftPolicy`): the proposer drafts its
-      K and each step verifies as many as pay. An int k in 1..K: it drafts k and verifies k
-      (requests may ask for 0..k). 0: requests decode without drafts unless they ask for some.
-      A tree engine drafts its tree; a request's num_drafts caps the depth it accepts.
-    temperature, top_k, top_p, eos_token_id, seed: the requests' defaults (`add_request`
-      overrides each). A request with a seed draws with `sampling.row_key(seed)` (as `generate`
-      draws a lone prompt); one without, with the key of its id under the engine's seed.
-    acceptance: how sampled requests' drafts are verified, "gumbel" or "rejection" (see `generate`).
-    relaxed, tree: as for `generate` (a relaxed engine's requests are greedy).
-    grammar: the default `mtp_jax.grammar.Grammar` of requests (constrained by default; needs
-      eos_token_id equal to its own); `add_request(grammar=)` takes any other.
-    mesh: a `mtp_jax.sharding.make_mesh` mesh for the slots' states (shard the params with
-      `shard_params`).
-    max_waiting: requests the queue may hold (default unbounded); `add_request` on a full queue
-      raises `QueueFull`, so an overloaded engine refuses work instead of growing without bound.
-    steps_per_call: decode steps one `step()` runs on device before the host reads the tokens
-      (fewer when a request finishes, or one when a waiting request could take a free slot).
-    prefill_chunk: prompt tokens one call writes for a request (default: whole prompts). A longer
-      prompt is written in parts of prefill_chunk tokens, one part per `step()` (only its slot
-      computed), between the running requests' decode steps, so it does not stall them for its
-      whole prefill; it starts decoding with its last part.
-    draft_policy: the `DraftPolicy` of num_drafts="auto" (default a new one). Its step times
-      belong to the models, batch size and machine, not to one engine: an engine built again on
-      the same ones (a server restarting its engine, a benchmark's second pass) can take the
-      first one's (step times and acceptance) and skip measuring every width anew.
+  `Engine(target, proposer, config)` or `Engine(target, proposer, **fields)`: target, proposer
+  as for `generate` (proposer None decodes without drafts); config an `EngineConfig` (see it for
+  every field), fields overriding its values (`Engine(t, p, max_batch=4)`).
   """
 
-  def __init__(self, target: TargetModel, proposer: MtpModel | None, *, max_batch: int = 8,
-               max_len: int = 512, page_size: int = 16, num_pages: int | None = None,
-               num_drafts: int | str | None = None, temperature: float = 0.0, top_k: int | None = None,
-               top_p: float | None = None, eos_token_id: int | None = None, seed: int = 0,
-               grammar: grammar_lib.Grammar | None = None, relaxed: tuple[int, float] | None = None,
-               tree: TreeSpec | None = None, mesh: jax.sharding.Mesh | None = None,
-               max_waiting: int | None = None, steps_per_call: int = 4, prefill_chunk: int | None = None,
-               draft_policy: DraftPolicy | None = None, acceptance: str = "gumbel"):
-    chain = tree is None and relaxed is None
-    auto = proposer is not None and chain and (num_drafts is None or num_drafts == "auto")
-    if num_drafts == "auto" and not auto:
+  def __init__(self, target: TargetModel, proposer: MtpModel | None, config: EngineConfig | None = None,
+               **fields):
+    if config is not None:
+      validate.instance("config", config, EngineConfig, "a mtp_jax.serving.EngineConfig")
+    cfg = (config or EngineConfig()).replace(**fields)
+    chain = cfg.tree is None and cfg.relaxed is None
+    auto = proposer is not None and chain and (cfg.num_drafts is None or cfg.num_drafts == "auto")
+    if cfg.num_drafts == "auto" and not auto:
       raise validate.InvalidValue("num_drafts", 'num_drafts="auto" needs a proposer and a chain without relaxed '
                                                 "acceptance")
-    d = options.decoding(target, proposer, num_drafts=None if auto or num_drafts == 0 else num_drafts,
-                         temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, eos_token_id=eos_token_id,
-                         relaxed=relaxed, tree=tree, grammar=grammar, acceptance=acceptance)
-    max_batch = validate.positive_int("max_batch", max_batch)
-    self.max_waiting = validate.optional_int("max_waiting", max_waiting, 0)
-    self.steps_per_call = validate.positive_int("steps_per_call", steps_per_call)
-    self.prefill_chunk = None if prefill_chunk is None else validate.positive_int("prefill_chunk", prefill_chunk)
-    max_len = validate.integer("max_len", max_len, d.rows_per_step + 1)
-    page_size, num_pages = options.paging(max_len, page_size, num_pages, max_batch)
-    self.target, self.proposer = target, proposer
-    self.max_drafts = d.num_drafts  # K: what the proposer drafts every step
-    self.num_drafts = "auto" if auto else (0 if num_drafts == 0 else d.num_drafts)  # the requests' default
+    d = options.decoding(target, proposer, num_drafts=None if auto or cfg.num_drafts == 0 else cfg.num_drafts,
+                         temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed,
+                         eos_token_id=cfg.eos_token_id, relaxed=cfg.relaxed, tree=cfg.tree, grammar=cfg.grammar,
+                         acceptance=cfg.acceptance)
+    self.max_batch = validate.positive_int("max_batch", cfg.max_batch)
+    max_waiting = validate.optional_int("max_waiting", cfg.max_waiting, 0)
+    self.steps_per_call = validate.positive_int("steps_per_call", cfg.steps_per_call)
+    prefill_chunk = None if cfg.prefill_chunk is None else validate.positive_int("prefill_chunk", cfg.prefill_chunk)
+    max_len = validate.integer("max_len", cfg.max_len, d.rows_per_step + 1)
+    page_size, num_pages = options.paging(max_len, cfg.page_size, cfg.num_pages, self.max_batch)
+    self.config, self.target, self.proposer = cfg, target, proposer
+    self.max_drafts = d.num_drafts  # K: the most a step drafts
+    self.num_drafts = "auto" if auto else (0 if cfg.num_drafts == 0 else d.num_drafts)  # the requests' default
     self.defaults = d
     self.max_len, self.page_size, self.num_pages = max_len, page_size, num_pages
-    if draft_policy is not None:
-      validate.instance("draft_policy", draft_policy, DraftPolicy, "a mtp_jax.serving.DraftPolicy")
-      if not auto or draft_policy.max_drafts != self.max_drafts:
+    if cfg.draft_policy is not None:
+      validate.instance("draft_policy", cfg.draft_policy, DraftPolicy, "a mtp_jax.serving.DraftPolicy")
+      if not auto or cfg.draft_policy.max_drafts != self.max_drafts:
         raise validate.InvalidValue("draft_policy", f'draft_policy serves num_drafts="auto" with a proposer of '
                                                     f"K={self.max_drafts} drafts, got max_drafts="
-                                                    f"{draft_policy.max_drafts} (num_drafts={num_drafts!r})")
-    self.policy = (draft_policy or DraftPolicy(self.max_drafts)) if auto else None
+                                                    f"{cfg.draft_policy.max_drafts} (num_drafts={cfg.num_drafts!r})")
+    self.policy = (cfg.draft_policy or DraftPolicy(self.max_drafts)) if auto else None
     # The state keeps this step's paging (every page allowed, the page list); each call reads the
     # budget or span of its own step, applied inside the jitted call, so the state's static fields
     # never change and each function compiles once per step, not once per state layout too.
     self._base = DecodeStep(StepSettings(
         num_drafts=d.num_drafts, max_new_tokens=max_len, max_len=max_len, sampled=d.relaxed is None,
-        acceptance=d.acceptance, relaxed=d.relaxed, tree=tree, mesh=mesh,
+        acceptance=d.acceptance, relaxed=d.relaxed, tree=cfg.tree, mesh=cfg.mesh,
         paging=Paging(page_size, num_pages, num_pages)))
     self._step = self._base  # the decode step: its verify width and page span follow the load
-    self.grammar = grammar
-    self._grammar_eos = None if grammar is None else grammar.eos_token_id  # every grammar of the engine ends so
+    self.grammar = cfg.grammar
+    self._grammar_eos = None if cfg.grammar is None else cfg.grammar.eos_token_id  # every grammar of the engine ends so
     self._grammars = GrammarUnion()
-    self._s = self._base.init(target, proposer, None, max_batch)  # donated: its own buffer
-    self._slots: list[int | None] = [None] * max_batch
-    self._waiting: collections.deque[int] = collections.deque()
-    self._parts: collections.deque[int] = collections.deque()  # running requests whose prompt is written in parts
-    self._reserved = 0
+    self._s = self._base.init(target, proposer, None, self.max_batch)  # donated: its own buffer
+    self._slots: list[int | None] = [None] * self.max_batch
+    self._admission = Admission(num_pages, max_waiting, prefill_chunk)
     self._next_span = None  # the page span the next call needs, read with the last call's outputs
     self._ids = itertools.count()
     self.requests: dict[int, Request] = {}  # every request's record until `forget` drops an ended one
-    self._ttft, self._itl = Samples(), Samples()
-    self._steps, self._step_seconds, self._verify_steps = 0, 0.0, 0
-    self._accepted_at = np.zeros((self.max_drafts,), np.int64)
-    self._proposed_at = np.zeros((self.max_drafts,), np.int64)
-    self._ended: collections.Counter = collections.Counter()  # ended requests by status, forgotten ones too
-    self._tokens_total = 0
+    self.tally = Tally(self.max_drafts)  # metrics() counters, kept as requests end
+    # The device's cumulative per-position counters as last read: each read adds the difference.
+    self._read_at = np.zeros((2, self.max_drafts), np.int64)
 
   @property
   def page_span(self) -> int:
@@ -202,15 +169,13 @@ class Engine:
       what = "K + 1" if self.defaults.tree is None else "the tree nodes + 1"
       raise validate.InvalidValue("prompt", f"request too long for the engine: len(prompt)={len(prompt)} + "
                                   f"max_new_tokens={max_new_tokens} + {what} = {need} > max_len={self.max_len}")
-    if self.max_waiting is not None and len(self._waiting) >= self.max_waiting:
-      raise QueueFull(f"the engine's waiting queue is full (max_waiting={self.max_waiting}); retry later")
+    rid = next(self._ids)
+    self._admission.queue(rid)  # QueueFull before anything is recorded
     if grammar is not None:
       self._grammar_eos = grammar.eos_token_id
-    rid = next(self._ids)
     self.requests[rid] = Request(rid, prompt, max_new_tokens, grammar, temperature, top_k, top_p, seed, num_drafts,
                                  eos, pages=-(-need // self.page_size), deadline_s=deadline_s,
                                  arrived_at=time.perf_counter())
-    self._waiting.append(rid)
     return rid
 
   def _check_num_drafts(self, num_drafts) -> int | str:
@@ -230,7 +195,7 @@ class Engine:
     if req is None:
       raise KeyError(f"request_id={request_id!r} is not a request of this engine")
     if req.status == "waiting":
-      self._waiting.remove(request_id)
+      self._admission.drop(request_id)
     elif req.status == "running":
       self._release([req.slot])
     else:
@@ -239,7 +204,7 @@ class Engine:
 
   def _end_request(self, req: Request, status: str, now: float) -> None:
     req.status, req.finished_at = status, now
-    self._ended[status] += 1
+    self.tally.ended[status] += 1
 
   def forget(self, request_id: int) -> Request:
     """Removes an ended request's record from `requests` and returns it, so a long-running engine
@@ -258,7 +223,7 @@ class Engine:
 
   @property
   def num_waiting(self) -> int:
-    return len(self._waiting)
+    return len(self._admission.waiting)
 
   def free_pages(self) -> int:
     """Free pages in the target's pool, read from the device (the proposer's pool moves alike)."""
@@ -269,22 +234,11 @@ class Engine:
   def metrics(self) -> dict:
     """Counters, gauges and latency quantiles (names and meanings: serving.metrics.DESCRIPTIONS);
     `serving.prometheus_text` renders them. Reads the free page count from the device."""
-    status = self._ended
-    accepted = int(self._accepted_at.sum())
     caches = (self._s.target.kv, None if self._s.proposer is None else self._s.proposer.kv)
-    return dict(
-        requests_running=self.num_running, requests_waiting=self.num_waiting, requests_recorded=len(self.requests),
-        requests_finished_total=status["finished"], requests_cancelled_total=status["cancelled"] + status["timed_out"],
-        requests_out_of_pages_total=status["out_of_pages"], tokens_generated_total=self._tokens_total,
-        verify_steps_total=self._verify_steps, drafts_proposed_total=int(self._proposed_at.sum()),
-        drafts_proposed_at=self._proposed_at.tolist(), drafts_accepted_total=accepted,
-        drafts_accepted_at=self._accepted_at.tolist(), verify_width=self._step.settings.verify_width,
-        mean_accepted_length=(accepted / self._verify_steps + 1) if self._verify_steps else float("nan"),
-        pages_in_use=self.num_pages - self.free_pages(), pages_total=self.num_pages,
-        cache_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(caches)),
-        steps_total=self._steps,
-        step_seconds_mean=self._step_seconds / self._steps if self._steps else float("nan"),
-        **self._ttft.quantiles("ttft_seconds"), **self._itl.quantiles("itl_seconds"))
+    return dict(requests_running=self.num_running, requests_waiting=self.num_waiting,
+                requests_recorded=len(self.requests), verify_width=self._step.settings.verify_width,
+                pages_in_use=self.num_pages - self.free_pages(), pages_total=self.num_pages,
+                cache_bytes=sum(x.nbytes for x in jax.tree_util.tree_leaves(caches)), **self.tally.as_metrics())
 
   def step(self) -> dict[int, list[int]]:
     """Admits, runs up to steps_per_call speculative steps on device (one when a waiting request
@@ -295,11 +249,11 @@ class Engine:
     self._admit_waiting()
     if not self.num_running:
       return {}
-    n = 1 if self._waiting and None in self._slots else self.steps_per_call
+    n = 1 if self.num_waiting and None in self._slots else self.steps_per_call
     self._set_width()
     self._respan(self._step.rows_next(self._s) * self.steps_per_call, self._next_span)
     step, running, traces, t1 = self._step, self.num_running, programs_built(), time.perf_counter()
-    decoding = [slot for slot, rid in enumerate(self._slots) if rid is not None and rid not in self._parts]
+    decoding = [slot for slot, rid in enumerate(self._slots) if rid is not None and not self._admission.in_parts(rid)]
     idx_A = self._slot_group(decoding)
     if len(idx_A) == len(self._slots):
       self._s = jit_run_for(step, self.target, self.proposer, self._grammars.union, self._s, np.int32(n))
@@ -309,54 +263,17 @@ class Engine:
     now = time.perf_counter()
     if self.policy is not None and steps and programs_built() == traces:  # else it built a program
       self.policy.record(step.settings.verify_width, running, now - t1, steps)
-    self._steps += 1
-    self._step_seconds += now - t0
+    self.tally.calls += 1
+    self.tally.call_seconds += now - t0
     return gained
 
   def calibrate(self, *, calls: int = 3, prompt_len: int = 16) -> DraftPolicy:
-    """Measures the step-time cost model of num_drafts="auto" before traffic: at every batch bucket
-    (1, 2, 4, .. max_batch running requests) and every width k = 0..K, runs synthetic requests
-    (prompt_len tokens, drafting k) until `calls` decode calls that built no program were timed.
-    The policy then chooses from measured times at once instead of exploring during traffic; its
-    acceptance counts are left as they were (synthetic prompts say nothing about real ones). Needs
-    an "auto" engine with nothing running or waiting; returns its `DraftPolicy` (pass it to
-    another engine on the same models and machine with `Engine(draft_policy=)`)."""
-    calls = validate.positive_int("calls", calls)
-    if self.policy is None:
-      raise validate.InvalidValue("num_drafts", 'calibrate measures num_drafts="auto": this engine has no DraftPolicy')
-    if self.num_running or self.num_waiting:
-      raise validate.InvalidValue("calibrate", "calibrate runs on an idle engine (requests are running or waiting)")
-    rows = self.defaults.rows_per_step
-    prompt_len = validate.integer("prompt_len", prompt_len, 1, self.max_len - rows - 1)
-    prompt = [i % self.target.cfg.vocab_size for i in range(prompt_len)]
-    new = (calls + 2) * self.steps_per_call * rows
-    acceptance = self.policy.accepted_at.copy(), self.policy.proposed_at.copy()
-    counters = (self._ttft, self._itl, self._steps, self._step_seconds, self._verify_steps, self._accepted_at,
-                self._proposed_at, collections.Counter(self._ended), self._tokens_total)
-    self._ttft, self._itl = Samples(), Samples()
-    buckets = [1 << i for i in range(len(self._slots).bit_length()) if 1 << i <= len(self._slots)]
-    for bucket in buckets:
-      for k in range(self.max_drafts, -1, -1):
-        key = (k, DraftPolicy.bucket(bucket))
-        # All `bucket` requests must hold their pages at once, or some would wait and run fewer.
-        fits = min(self.max_len, self.num_pages // bucket * self.page_size) - prompt_len - rows
-        if fits < 1:
-          raise validate.InvalidValue("prompt_len", f"{bucket} calibration requests of prompt_len={prompt_len} "
-                                                    f"do not fit in num_pages={self.num_pages} pages together")
-        ids = [self.add_request(prompt, min(new, fits), num_drafts=k) for _ in range(bucket)]
-        before = len(self.policy.seconds.get(key, ()))
-        while (self.num_running or self.num_waiting) and len(self.policy.seconds.get(key, ())) < before + calls:
-          self.step()
-        for rid in ids:
-          self.cancel(rid)
-          self.forget(rid)
-    self.policy.accepted_at, self.policy.proposed_at = acceptance
-    # The synthetic requests are no traffic: metrics() reads as before them.
-    (self._ttft, self._itl, self._steps, self._step_seconds, self._verify_steps, self._accepted_at,
-     self._proposed_at, self._ended, self._tokens_total) = counters
-    self._s = self._s.set(accepted_at=jnp.asarray(self._accepted_at, jnp.int32),
-                          proposed_at=jnp.asarray(self._proposed_at, jnp.int32))
-    return self.policy
+    """Measures the step-time cost model of num_drafts="auto" before traffic (serving.calibrate):
+    at every batch bucket and width k = 0..K, synthetic requests until `calls` decode calls that
+    built no program were timed; metrics and acceptance are left as they were. Needs an idle
+    "auto" engine; returns its `DraftPolicy` (pass it to another engine on the same models and
+    machine with `draft_policy=`)."""
+    return calibrate(self, calls=calls, prompt_len=prompt_len)
 
   def _set_width(self) -> None:
     """Sets the drafts the next call verifies: the most any running request asks for, "auto" ones
@@ -373,7 +290,7 @@ class Engine:
 
   def _expire(self, now: float) -> None:
     # Only live requests: the finished ones stay in `requests` and would make every step O(all ever).
-    live = [*self._waiting, *(rid for rid in self._slots if rid is not None)]
+    live = [*self._admission.waiting, *(rid for rid in self._slots if rid is not None)]
     late = [rid for rid in live if (r := self.requests[rid]).deadline_s is not None and
             now - r.arrived_at > r.deadline_s]
     for rid in late:
@@ -393,33 +310,19 @@ class Engine:
     return {rid: r.tokens for rid, r in self.requests.items()}
 
   def _admit_waiting(self) -> None:
-    free = [i for i, r in enumerate(self._slots) if r is None]
-    admitted = []
-    while free and self._waiting:
-      req = self.requests[self._waiting[0]]
-      if self._reserved + req.pages > self.num_pages:
-        break  # FIFO: the head waits for pages rather than being overtaken
-      self._waiting.popleft()
-      req.slot, req.status = free.pop(0), "running"
+    admitted, whole, part = self._admission.admit([i for i, r in enumerate(self._slots) if r is None],
+                                                  self.requests)
+    for req in admitted:
       self._slots[req.slot] = req.id
-      self._reserved += req.pages
-      admitted.append(req)
-    in_parts = lambda r: self.prefill_chunk is not None and len(r.prompt) > self.prefill_chunk
-    whole = [r for r in admitted if not in_parts(r)]
-    self._parts.extend(r.id for r in admitted if in_parts(r))
-    if self._parts:  # the oldest prompt written in parts: its next part, or its last with the others
-      head = self.requests[self._parts[0]]
-      if len(head.prompt) - head.prefilled <= self.prefill_chunk:
-        whole.append(self.requests[self._parts.popleft()])
-      else:
-        self._prefill_part(head)
+    if part is not None:
+      self._prefill_part(part)
     if whole:
       self._prefill(whole)
 
   def _prefill_part(self, req: Request) -> None:
     """Writes the next prefill_chunk tokens of req's prompt into its slot (not its last part)."""
     self._next_span = None  # the part takes pages
-    c, done = self.prefill_chunk, req.prefilled
+    c, done = self._admission.prefill_chunk, req.prefilled
     prompt_1xT, len_1 = padded_prompts([req.prompt[done:done + c]], 1, [0])
     next_1xT, _ = padded_prompts([req.prompt[done + 1:done + c + 1]], 1, [0])
     slot_1 = np.asarray([req.slot], np.int32)
@@ -494,34 +397,31 @@ class Engine:
     """(the tokens each running request gained, decode steps the last call ran)."""
     s = self._s
     # The next step's page need comes in the same read: freeing slots only lowers it.
-    num_out, out, done, oom, verify_calls, accepted_at, proposed_at, self._next_span = jax.device_get(
-        (s.num_out, s.out, s.done, s.out_of_pages, s.verify_calls, s.accepted_at, s.proposed_at,
+    num_out, out, done, oom, verify_calls, read_at, self._next_span = jax.device_get(
+        (s.num_out, s.out, s.done, s.out_of_pages, s.verify_calls, jnp.stack([s.accepted_at, s.proposed_at]),
          jit_span_needed(self._base, s, self._step.rows_next(s) * self.steps_per_call)))
     self._next_span = int(self._next_span)
-    accepted_at, proposed_at = accepted_at.astype(np.int64), proposed_at.astype(np.int64)
+    new_accepted_at, new_proposed_at = read_at.astype(np.int64) - self._read_at
+    self._read_at = read_at.astype(np.int64)
+    self.tally.accepted_at += new_accepted_at
+    self.tally.proposed_at += new_proposed_at
     if self.policy is not None:
-      self.policy.observe(accepted_at - self._accepted_at, proposed_at - self._proposed_at)
-    self._accepted_at, self._proposed_at = accepted_at, proposed_at
+      self.policy.observe(new_accepted_at, new_proposed_at)
     now = time.perf_counter()
     gained, finished, steps = {}, [], 0
     for slot, rid in enumerate(self._slots):
-      if rid is None or rid in self._parts:  # a prompt still written in parts: not decoding yet
+      if rid is None or self._admission.in_parts(rid):  # a prompt still written in parts: not decoding yet
         continue
       req = self.requests[rid]
       new = out[slot, len(req.tokens):min(num_out[slot], req.max_new_tokens)].tolist()
       req.tokens += new
-      self._tokens_total += len(new)
       steps = max(steps, int(verify_calls[slot]) - req.verify_calls)
-      self._verify_steps += int(verify_calls[slot]) - req.verify_calls
+      self.tally.verify_steps += int(verify_calls[slot]) - req.verify_calls
       req.verify_calls = int(verify_calls[slot])
       gained[rid] = new
       if new:
-        if req.first_token_at is None:  # the tokens arriving with the first one come without a gap
-          req.first_token_at = now
-          self._ttft.add(now - req.arrived_at)
-          self._itl.add(0.0, len(new) - 1)
-        else:
-          self._itl.add((now - req.last_token_at) / len(new), len(new))
+        self.tally.tokens_arrived(len(new), now, req.arrived_at, req.last_token_at)
+        req.first_token_at = req.first_token_at or now
         req.last_token_at = now
       if done[slot] or len(req.tokens) >= req.max_new_tokens:
         self._end_request(req, "out_of_pages" if oom[slot] else "finished", now)
@@ -535,8 +435,6 @@ class Engine:
     mask_B[slots] = True
     self._s = jit_free(self._base, self._s, mask_B)
     for slot in slots:
-      if self._slots[slot] in self._parts:
-        self._parts.remove(self._slots[slot])
-      self._reserved -= self.requests[self._slots[slot]].pages
-      self.requests[self._slots[slot]].slot = None
-      self._slots[slot] = None
+      req = self.requests[self._slots[slot]]
+      self._admission.release(req)
+      req.slot, self._slots[slot] = None, None

@@ -8,6 +8,8 @@ the device.
 from __future__ import annotations
 
 import collections
+import copy
+import dataclasses
 import math
 
 import numpy as np
@@ -55,6 +57,60 @@ class Samples:
       return {f"{name}_p{round(q * 100)}": math.nan for q in QUANTILES}
     vals = np.quantile(np.asarray(self.values), QUANTILES)
     return {f"{name}_p{round(q * 100)}": float(v) for q, v in zip(QUANTILES, vals)}
+
+
+@dataclasses.dataclass
+class Tally:
+  """An engine's host-side counters, kept as requests end so forgotten requests still count.
+
+  ended: ended requests by status; accepted_at / proposed_at int64[K]: verify steps whose draft i
+  was accepted / verified, as last read from the device (cumulative).
+  """
+
+  max_drafts: int
+  ttft: Samples = dataclasses.field(default_factory=Samples)
+  itl: Samples = dataclasses.field(default_factory=Samples)
+  calls: int = 0
+  call_seconds: float = 0.0
+  verify_steps: int = 0
+  tokens: int = 0
+  ended: collections.Counter = dataclasses.field(default_factory=collections.Counter)
+  accepted_at: np.ndarray | None = None
+  proposed_at: np.ndarray | None = None
+
+  def __post_init__(self):
+    if self.accepted_at is None:
+      self.accepted_at = np.zeros((self.max_drafts,), np.int64)
+    if self.proposed_at is None:
+      self.proposed_at = np.zeros((self.max_drafts,), np.int64)
+
+  def copy(self) -> "Tally":
+    """A deep copy (a snapshot to restore: `Engine.calibrate` leaves the metrics as they were)."""
+    return copy.deepcopy(self)
+
+  def tokens_arrived(self, count: int, now: float, arrived_at: float, last_token_at: float | None) -> None:
+    """count tokens of one request came at `now`: its first ones (last_token_at None) add a TTFT
+    sample and arrive together (ITL 0); later ones share the gap since its last token."""
+    self.tokens += count
+    if last_token_at is None:
+      self.ttft.add(now - arrived_at)
+      self.itl.add(0.0, count - 1)
+    else:
+      self.itl.add((now - last_token_at) / count, count)
+
+  def as_metrics(self) -> dict:
+    """The counters' part of `Engine.metrics()` (names as in DESCRIPTIONS)."""
+    accepted = int(self.accepted_at.sum())
+    return dict(
+        requests_finished_total=self.ended["finished"],
+        requests_cancelled_total=self.ended["cancelled"] + self.ended["timed_out"],
+        requests_out_of_pages_total=self.ended["out_of_pages"], tokens_generated_total=self.tokens,
+        verify_steps_total=self.verify_steps, drafts_proposed_total=int(self.proposed_at.sum()),
+        drafts_proposed_at=self.proposed_at.tolist(), drafts_accepted_total=accepted,
+        drafts_accepted_at=self.accepted_at.tolist(),
+        mean_accepted_length=(accepted / self.verify_steps + 1) if self.verify_steps else math.nan,
+        steps_total=self.calls, step_seconds_mean=self.call_seconds / self.calls if self.calls else math.nan,
+        **self.ttft.quantiles("ttft_seconds"), **self.itl.quantiles("itl_seconds"))
 
 
 def prometheus_text(metrics: dict, *, prefix: str = "mtp_jax_") -> str:

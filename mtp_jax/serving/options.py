@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import jax
 import numpy as np
@@ -20,6 +21,9 @@ from mtp_jax.blocks.paged import check_paging
 from mtp_jax.mtp import MtpModel
 from mtp_jax.target import TargetModel
 from mtp_jax.tree import TreeSpec, check_tree
+
+if TYPE_CHECKING:
+  from mtp_jax.serving.policy import DraftPolicy
 
 DRAFT_MASKS = ("per_position", "first", "none")
 # How a sampled row accepts drafts: "gumbel" (the drafts share the target's noise and its own
@@ -117,6 +121,64 @@ class StepSettings:
 
   def with_budget(self, budget: int, span: int | None = None) -> "StepSettings":
     return dataclasses.replace(self, paging=dataclasses.replace(self.paging, budget=budget, span=span))
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+  """The settings of an `Engine`, checked when it is built (errors name the field and the limit).
+
+  max_batch: slots decoded together. max_len: rows per sequence: a request needs len(prompt) +
+    max_new_tokens + R <= max_len, R the rows of a step (K + 1, or a tree's nodes + 1).
+  page_size, num_pages: the paged caches (page_size must divide max_len; num_pages per layer,
+    default max_batch * max_len / page_size, at least max_len / page_size).
+  num_drafts: "auto" (the default with a proposer; see `DraftPolicy`): each step verifies as many
+    of the K drafts as pay, and the modules draft that many. An int k in 1..K: it drafts and
+    verifies k (requests may ask for 0..k). 0: requests decode without drafts unless they ask for
+    some. A tree engine drafts its tree; a request's num_drafts caps the depth it accepts.
+  temperature, top_k, top_p, eos_token_id, seed: the requests' defaults (`add_request` overrides
+    each). A request with a seed draws with `sampling.row_key(seed)` (as `generate` draws a lone
+    prompt); one without, with the key of its id under the engine's seed.
+  acceptance: how sampled requests' drafts are verified, "gumbel" or "rejection" (see `generate`).
+  grammar: the default `mtp_jax.grammar.Grammar` of requests (constrained by default; needs
+    eos_token_id equal to its own); `add_request(grammar=)` takes any other.
+  relaxed, tree: as for `generate` (a relaxed engine's requests are greedy).
+  mesh: a `mtp_jax.sharding.make_mesh` mesh for the slots' states (shard the params with
+    `shard_params`).
+  max_waiting: requests the queue may hold (None: unbounded); `add_request` on a full queue
+    raises `QueueFull`, so an overloaded engine refuses work instead of growing without bound.
+  steps_per_call: decode steps one `step()` runs on device before the host reads the tokens
+    (fewer when a request finishes, or one when a waiting request could take a free slot).
+  prefill_chunk: prompt tokens one call writes for a request (None: whole prompts). A longer
+    prompt is written in parts, one per `step()` (only its slot computed), between the running
+    requests' decode steps, so it does not stall them for its whole prefill.
+  draft_policy: the `DraftPolicy` of num_drafts="auto" (None: a new one). Its step times belong
+    to the models, batch size and machine, not to one engine: an engine built again on the same
+    ones can take the first one's and skip measuring every width anew.
+  """
+
+  max_batch: int = 8
+  max_len: int = 512
+  page_size: int = 16
+  num_pages: int | None = None
+  num_drafts: int | str | None = None
+  temperature: float = 0.0
+  top_k: int | None = None
+  top_p: float | None = None
+  eos_token_id: int | None = None
+  seed: int = 0
+  acceptance: str = "gumbel"
+  grammar: grammar_lib.Grammar | None = None
+  relaxed: tuple[int, float] | None = None
+  tree: TreeSpec | None = None
+  mesh: jax.sharding.Mesh | None = None
+  max_waiting: int | None = None
+  steps_per_call: int = 4
+  prefill_chunk: int | None = None
+  draft_policy: DraftPolicy | None = None
+
+  def replace(self, **changes) -> "EngineConfig":
+    """This config with `changes` (its field names; another name is a TypeError naming it)."""
+    return dataclasses.replace(self, **changes)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,51 @@
+"""`Engine.calibrate`: the step-time cost model of num_drafts="auto", measured before traffic."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from mtp_jax import validate
+from mtp_jax.serving.policy import DraftPolicy
+
+if TYPE_CHECKING:
+  from mtp_jax.serving.engine import Engine
+
+
+def calibrate(engine: Engine, *, calls: int = 3, prompt_len: int = 16) -> DraftPolicy:
+  """At every batch bucket (1, 2, 4, .. max_batch running requests) and every width k = K..0,
+  runs synthetic requests (prompt_len tokens, num_drafts=k) on `engine` until `calls` decode calls
+  that built no program were timed into its policy. The acceptance counts and the engine's
+  metrics are left as they were (synthetic prompts say nothing about real ones). Needs an "auto"
+  engine with nothing running or waiting; returns its `DraftPolicy`."""
+  calls = validate.positive_int("calls", calls)
+  policy = engine.policy
+  if policy is None:
+    raise validate.InvalidValue("num_drafts", 'calibrate measures num_drafts="auto": this engine has no DraftPolicy')
+  if engine.num_running or engine.num_waiting:
+    raise validate.InvalidValue("calibrate", "calibrate runs on an idle engine (requests are running or waiting)")
+  cfg = engine.config
+  rows = engine.defaults.rows_per_step
+  prompt_len = validate.integer("prompt_len", prompt_len, 1, engine.max_len - rows - 1)
+  prompt = [i % engine.target.cfg.vocab_size for i in range(prompt_len)]
+  new = (calls + 2) * cfg.steps_per_call * rows
+  acceptance = policy.accepted_at.copy(), policy.proposed_at.copy()
+  tally = engine.tally.copy()
+  buckets = [1 << i for i in range(engine.max_batch.bit_length()) if 1 << i <= engine.max_batch]
+  for bucket in buckets:
+    # All `bucket` requests must hold their pages at once, or some would wait and run fewer calls.
+    fits = min(engine.max_len, engine.num_pages // bucket * engine.page_size) - prompt_len - rows
+    if fits < 1:
+      raise validate.InvalidValue("prompt_len", f"{bucket} calibration requests of prompt_len={prompt_len} do not "
+                                                f"fit in num_pages={engine.num_pages} pages together")
+    for k in range(engine.max_drafts, -1, -1):
+      key = (k, DraftPolicy.bucket(bucket))
+      ids = [engine.add_request(prompt, min(new, fits), num_drafts=k) for _ in range(bucket)]
+      before = len(policy.seconds.get(key, ()))
+      while (engine.num_running or engine.num_waiting) and len(policy.seconds.get(key, ())) < before + calls:
+        engine.step()
+      for rid in ids:
+        engine.cancel(rid)
+        engine.forget(rid)
+  policy.accepted_at, policy.proposed_at = acceptance
+  engine.tally = tally  # the synthetic requests are no traffic: metrics() reads as before them
+  return policy
