@@ -256,7 +256,7 @@ def config_from_hf(config: Mapping | str | os.PathLike, *, layout: str | None = 
                    **conventions(family_of(config, layout)))
 
 
-def _plan(layout, cfg, names, first_layer, tied):
+def _plan(layout, cfg, names, first_layer, tied, family=None):
   """(canonical name -> (source names, transform, stacked), scope prefixes).
 
   The source names hold one equal tensor, or with stacked one expert each, in order.
@@ -267,7 +267,9 @@ def _plan(layout, cfg, names, first_layer, tied):
   ks = range(cfg.num_modules)
   if layout not in families.LAYOUTS:
     raise ValueError(f"unknown layout {layout!r}; expected one of {LAYOUTS}")
-  where = families.LAYOUTS[layout].sources(cfg, names, first_layer)
+  record = families.get(family) if family is not None else None
+  own = record.layout_sources if record is not None and record.layout == layout else None
+  where = (own or families.LAYOUTS[layout].sources)(cfg, names, first_layer)
   source, embed, head = where.source, list(where.embed), list(where.head)
   if tied:  # tie_word_embeddings: the LM head is the embedding; heads a layout stores must equal it
     head = embed + [n for n in head if n in names and n not in base.DEFAULT_HEAD]
@@ -293,7 +295,8 @@ def _shape(source, name: str) -> tuple[int, ...]:
 
 
 def to_canonical(source: Mapping | CheckpointReader, layout: str, cfg: MtpConfig, *,
-                 first_layer: int | None = None, tied: bool = False, lazy: bool = False) -> dict[str, np.ndarray]:
+                 first_layer: int | None = None, tied: bool = False, lazy: bool = False,
+                 family: str | None = None) -> dict[str, np.ndarray]:
   """Canonical name -> tensor, with the shapes of `canonical_shapes(cfg)` (e.g. float32[V, D]).
 
   source: name -> array in `layout`, or a CheckpointReader (then only the needed tensors load).
@@ -304,10 +307,12 @@ def to_canonical(source: Mapping | CheckpointReader, layout: str, cfg: MtpConfig
   back as 1 + weight in float32. Arrays read once (a shared Qwen3-Next fc) are shared between names.
   lazy: with a CheckpointReader, TensorSources, read later (block by block, FP8 blocks dequantized
   with their scales) while the reader is open; a Mapping's arrays are in memory already.
+  family: the config's family (`family_of`); one whose record has layout_sources reads its
+  layout's names its own way (ExaONE-MoE's plain norms under Qwen3-Next's names).
   """
   lazy = lazy and isinstance(source, CheckpointReader)
   names = set(source.keys())
-  plan, prefixes = _plan(layout, cfg, names, first_layer, tied)
+  plan, prefixes = _plan(layout, cfg, names, first_layer, tied, family)
   used = {n for sources, _, _ in plan.values() for n in sources}
   unused = sorted(n for n in names if n.startswith(prefixes) and n not in used)
   if unused:
@@ -372,7 +377,7 @@ def read_mtp_checkpoint(path, *,
     key = families.LAYOUTS[layout].first_layer_key
     first_layer = hf.get(key) if key else None
     return cfg, to_canonical(reader, layout, cfg, first_layer=first_layer,
-                             tied=bool(hf.get("tie_word_embeddings", False)))
+                             tied=bool(hf.get("tie_word_embeddings", False)), family=family_of(hf, layout))
 
 
 def _unstack_experts(tensors: Mapping) -> dict:

@@ -253,7 +253,8 @@ def load_mtp(path, *, dtype=None, max_depth: int | None = None, allow_nonfinite:
     key = families.LAYOUTS[layout].first_layer_key
     first_layer = config.get(key) if key else None
     tensors = layouts.to_canonical(reader, layout, cfg, first_layer=first_layer,
-                                   tied=bool(config.get("tie_word_embeddings", False)), lazy=True)
+                                   tied=bool(config.get("tie_word_embeddings", False)), lazy=True,
+                                   family=layouts.family_of(config, layout))
     return _build(lambda: MtpModel(cfg, rngs=nnx.Rngs(0)), canonical_name, tensors, f"{path}", allow_nonfinite,
                   mesh, cfg.dtype if keep else None)
 

@@ -45,13 +45,14 @@ def get(name: str) -> Family:
 
 
 def family_of(config: Mapping, layout: str | None = None) -> Family | None:
-  """The family of an HF config (by model_type), else the first whose MTP layout is `layout`."""
+  """The family of an HF config (by model_type), else the first whose MTP layout is `layout` and who
+  reads it as the layout does (not one borrowing its names through layout_sources, as ExaONE-MoE)."""
   model_type = config.get("model_type")
   for family in FAMILIES.values():
     if model_type in family.model_types:
       return family
   for family in FAMILIES.values():
-    if layout is not None and family.layout == layout:
+    if layout is not None and family.layout == layout and family.layout_sources is None:
       return family
   return None
 

@@ -104,7 +104,9 @@ class Family:
   differ from the target's reading (MiMo-V2-Flash's MTP attention is its sliding-window layers'),
   None where they do not. num_mtp: module count when config.json names none. target: the
   model_types whose target mtp_jax builds; target_refusal: why the others' is not, for the error.
-  sources: where its conventions were read, for the docs."""
+  sources: where its conventions were read, for the docs. layout_sources: where its MTP tensors
+  are when it stores them otherwise than `layout` reads them under the same names (ExaONE-MoE:
+  Qwen3-Next's names, plain RMSNorm weights where Qwen3-Next's are zero-centred); None: the layout's."""
   name: str
   title: str
   model_types: tuple[str, ...]
@@ -118,4 +120,5 @@ class Family:
   target: tuple[str, ...] = ()
   target_refusal: str = ""
   sources: str = ""
+  layout_sources: Callable[[MtpConfig, set, int | None], Sources] | None = None
 

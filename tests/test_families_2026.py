@@ -1,0 +1,203 @@
+"""Families of issue 37 (the MTP releases of 2026): each loads from a tiny directory in its released
+layout, written here, and its MTP chain equals a reference wired as the serving engines wire it.
+
+- ExaONE-MoE: vLLM 0.34 model_executor/models/exaone_moe_mtp.py (ExaoneMoeMultiTokenPredictor.forward)
+  and exaone_moe.py (ExaoneMoeDecoderLayer / ExaoneMoeAttention with is_mtp), SGLang 0.5.23
+  srt/models/exaone_moe_mtp.py; the layer from transformers 5.25's ExaoneMoe modules (see ExaoneRefMtp).
+"""
+
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from transformers import ExaoneMoeConfig
+from transformers.models.exaone_moe import modeling_exaone_moe as exaone
+
+import mtp_jax
+from mtp_jax import layouts
+from mtp_jax.checkpoint import save_tensors
+from mtp_jax.pretrained import load_mtp
+
+V, D = 48, 32
+
+
+def init_all(module: torch.nn.Module, seed: int, norm_centre: float = 1.0) -> None:
+  """Every parameter set here (norms around norm_centre, matrices scaled by fan-in), none left as built."""
+  gen = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, p in module.named_parameters():
+      noise = torch.randn(p.shape, generator=gen)
+      if name.endswith("norm.weight"):
+        p.copy_(norm_centre + 0.2 * noise)
+      elif p.ndim == 1:
+        p.copy_(0.2 * noise)
+      else:
+        p.copy_(noise / p.shape[-1] ** 0.5 * 1.5)
+
+
+def head_and_embed(seed: int) -> tuple[np.ndarray, np.ndarray]:
+  """float32[V, D] embedding and LM head of the target the MTP modules share."""
+  rng = np.random.default_rng(seed)
+  return (rng.standard_normal((V, D)).astype(np.float32),
+          (rng.standard_normal((V, D)) / D ** 0.5).astype(np.float32))
+
+
+def check_chain_and_drafts(proposer, modules, hidden, toks, embed, lm_head, depths):
+  """forward_chain's logits over every row equal the cache-free torch chain (depth m runs
+  modules[(m - 1) % len(modules)], module(emb, h, positions) -> the hidden handed on and scored);
+  propose's greedy drafts through the caches equal the reference's greedy chain."""
+  n = hidden.shape[1]
+
+  def chain(toks):  # float32[depths, n, V]
+    with torch.no_grad():
+      h, out = torch.from_numpy(hidden), []
+      for m in range(1, depths + 1):
+        h = modules[(m - 1) % len(modules)](torch.from_numpy(embed[toks[:, m:m + n]]), h, torch.arange(n)[None] + m - 1)
+        out.append(h[0].numpy() @ lm_head.T)
+    return np.stack(out)
+
+  want = chain(toks)
+  assert np.isfinite(want).all()
+  got = mtp_jax.forward_chain(proposer, jnp.asarray(hidden), jnp.asarray(toks[:, 1:], jnp.int32))
+  np.testing.assert_allclose(np.asarray(got[:, 0]), want, rtol=1e-4, atol=1e-4)
+  ref_drafts, ext = [], toks.copy()
+  for m in range(depths):
+    ref_drafts.append(int(np.argmax(chain(ext)[m, -1])))
+    if n + m + 1 < ext.shape[1]:
+      ext[0, n + m + 1] = ref_drafts[-1]
+  drafts, _ = mtp_jax.propose(proposer, mtp_jax.init_state(proposer.cfg, 1, 32), hidden, toks[:, 1:n + 1],
+                              np.array([n], np.int32), num_drafts=depths)
+  assert np.asarray(drafts)[0].tolist() == ref_drafts
+
+
+# ExaONE-MoE ----------------------------------------------------------------------------------------
+
+EX_WINDOW, EX_MODULES, EX_DEPTHS = 3, 2, 3  # depth 3 runs module 0 again (vLLM spec_step_idx % 2)
+
+
+class ExaoneRefShared(torch.nn.Module):
+  """The fc and norms every ExaONE-MoE MTP layer shares, released once as mtp.{fc, pre_fc_norm_*, norm}."""
+
+  def __init__(self, config):
+    super().__init__()
+    norm = lambda: exaone.ExaoneMoeRMSNorm(D, eps=config.rms_norm_eps)
+    self.pre_fc_norm_embedding, self.pre_fc_norm_hidden, self.norm = norm(), norm(), norm()
+    self.fc = torch.nn.Linear(2 * D, D, bias=False)
+
+
+class ExaoneRefMtp(torch.nn.Module):
+  """ExaONE-MoE's MTP layer i as vLLM's exaone_moe_mtp.py wires it: fc(concat(pre_fc_norm_embedding(e),
+  pre_fc_norm_hidden(h))) (embedding first, no position-0 mask), a pre-norm layer, then the shared
+  mtp.norm, handed on and scored by the main lm_head. The layer is transformers' ExaoneMoeAttention
+  as a sliding layer (q / k RMSNorms, RoPE: vLLM applies it in every MTP layer) over a window of
+  sliding_window rows, and ExaoneMoeMLP of intermediate_size (vLLM's is_mtp layers are dense)."""
+
+  def __init__(self, config, shared: ExaoneRefShared):
+    super().__init__()
+    self.shared = (shared,)  # a tuple: torch does not register it, each layer's params stay its own
+    norm = lambda: exaone.ExaoneMoeRMSNorm(D, eps=config.rms_norm_eps)
+    self.input_layernorm, self.post_attention_layernorm = norm(), norm()
+    self.self_attn = exaone.ExaoneMoeAttention(config, 0)
+    assert self.self_attn.is_sliding
+    self.mlp = exaone.ExaoneMoeMLP(config)
+    self.rotary = exaone.ExaoneMoeRotaryEmbedding(config)
+
+  def released(self, i):
+    """name -> tensor as released: the shared set at mtp.*, this layer at mtp.layers.{i}.*."""
+    return ({f"mtp.{n}": p.detach().numpy() for n, p in self.shared[0].named_parameters()} |
+            {f"mtp.layers.{i}.{n}": p.detach().numpy() for n, p in self.named_parameters()})
+
+  def forward(self, emb, h, positions):
+    """emb, h: float32[1, T, D]; positions: int[1, T]; returns the normed hidden float32[1, T, D]."""
+    s = self.shared[0]
+    x = s.fc(torch.cat([s.pre_fc_norm_embedding(emb), s.pre_fc_norm_hidden(h)], -1))
+    t = x.shape[1]
+    q, k = torch.arange(t)[:, None], torch.arange(t)[None, :]
+    mask = torch.where((k <= q) & (k > q - EX_WINDOW), 0.0, float("-inf"))[None, None]
+    x = x + self.self_attn(self.input_layernorm(x), self.rotary(x, positions), mask)[0]
+    x = x + self.mlp(self.post_attention_layernorm(x))
+    return s.norm(x)
+
+
+def exaone_modules(config, count: int, seed: int) -> list[ExaoneRefMtp]:
+  """count reference layers over one shared set, every parameter set."""
+  shared = ExaoneRefShared(config).eval()
+  init_all(shared, seed)
+  modules = [ExaoneRefMtp(config, shared).eval() for _ in range(count)]
+  for i, module in enumerate(modules):
+    init_all(module, seed + 1 + i)
+  return modules
+
+
+def exaone_config(**extra) -> ExaoneMoeConfig:
+  """A tiny ExaONE-MoE config (MoE target layers, layer 0 dense, windows on layers 0..2)."""
+  config = ExaoneMoeConfig(vocab_size=V, hidden_size=D, intermediate_size=48, num_hidden_layers=4,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=EX_WINDOW,
+                           sliding_window_pattern=4, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+                           rms_norm_eps=1e-5, max_position_embeddings=256, tie_word_embeddings=False, eos_token_id=2,
+                           rope_parameters={"rope_type": "default", "rope_theta": 500.0}, **extra)
+  config._attn_implementation = "eager"
+  return config
+
+
+def test_exaone_moe_mtp_equals_engine_reference(tmp_path):
+  """MTP only (the target is refused by name): two released modules sharing fc / norms, chained by
+  mtp_jax module after module (depth 3 reuses module 0); 10 rows over a window of 3, so the window counts."""
+  config = exaone_config()
+  modules = exaone_modules(config, EX_MODULES, 10)
+  embed, lm_head = head_and_embed(11)
+  tensors = modules[0].released(0) | modules[1].released(1) | {
+      "model.embed_tokens.weight": embed, "lm_head.weight": lm_head, "model.norm.weight": np.ones(D, np.float32)}
+  save_tensors(tmp_path / "model.safetensors", tensors)
+  hf = json.loads(config.to_json_string()) | {"num_nextn_predict_layers": EX_MODULES}
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+
+  with pytest.raises(NotImplementedError, match="'exaone_moe' has no target.*NoPE global layers"):
+    mtp_jax.load_target(tmp_path)
+  proposer = load_mtp(tmp_path, dtype="float32", max_depth=EX_DEPTHS)
+  cfg = proposer.cfg
+  assert (cfg.num_modules, cfg.moe, cfg.qk_norm, cfg.norm_unit_offset) == (EX_MODULES, None, True, False)
+  assert (cfg.sliding_window, cfg.rope_theta, cfg.intermediate_size) == (EX_WINDOW, 500.0, 48)
+  assert {k: getattr(cfg, k) for k in layouts.conventions("exaone_moe")} == layouts.conventions("exaone_moe")
+  rng = np.random.default_rng(12)
+  n = 10
+  toks = rng.integers(0, V, (1, n + EX_DEPTHS))
+  hidden = rng.standard_normal((1, n, D)).astype(np.float32)
+  check_chain_and_drafts(proposer, modules, hidden, toks, embed, lm_head, EX_DEPTHS)
+
+
+def test_exaone_moe_norms_are_read_as_stored(tmp_path):
+  """The names are Qwen3-Next's, whose layout shifts zero-centred norms by 1 for configs without
+  (1 + w) norms; ExaONE-MoE stores plain weights, read as they are."""
+  config = exaone_config(num_nextn_predict_layers=1)
+  module, = exaone_modules(config, 1, 13)
+  embed, lm_head = head_and_embed(14)
+  raw = module.released(0) | {"model.embed_tokens.weight": embed, "lm_head.weight": lm_head}
+  assert layouts.detect_layout(raw) == "qwen3_next"
+  cfg = layouts.config_from_hf(json.loads(config.to_json_string()))
+  ours = layouts.to_canonical(raw, "qwen3_next", cfg, family="exaone_moe")
+  qwen = layouts.to_canonical(raw, "qwen3_next", cfg)
+  for name, stored in (("mtp.0.enorm.weight", "mtp.pre_fc_norm_embedding.weight"),
+                       ("mtp.0.self_attn.q_norm.weight", "mtp.layers.0.self_attn.q_norm.weight")):
+    np.testing.assert_array_equal(ours[name], raw[stored])
+    np.testing.assert_array_equal(qwen[name], raw[stored] + 1)
+
+
+@pytest.mark.parametrize("extra, window", [({}, EX_WINDOW), ({"sliding_windows": [5, 5, 5, 5]}, 5),
+                                           ({"mtp_layer_types": ["full_attention"]}, None),
+                                           ({"sliding_window": None}, None)])
+def test_exaone_moe_mtp_window_from_config(extra, window):
+  hf = json.loads(exaone_config().to_json_string()) | extra
+  assert layouts.config_from_hf(hf).sliding_window == window
+
+
+def test_exaone_moe_refusals():
+  hf = json.loads(exaone_config().to_json_string())
+  with pytest.raises(ValueError, match=r"swiglu_limits\[0\] = 7.0 clamps"):
+    layouts.config_from_hf(hf | {"swiglu_limits": [7.0, 0.0, 0.0, 0.0]})
+  assert layouts.config_from_hf(hf | {"swiglu_limits": [0.0, 7.0, 0.0, 0.0]}).sliding_window == EX_WINDOW
+  with pytest.raises(ValueError, match="different windows"):
+    layouts.config_from_hf(hf | {"num_nextn_predict_layers": 2, "mtp_layer_types": ["sliding_attention",
+                                                                                    "full_attention"]})
