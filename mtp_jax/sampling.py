@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax import validate
+from mtp_jax.blocks.axes import axes
 
 # Independent noise streams of one row key: the target's tokens (and drafts coupled to them), the
 # drafts that lossless rejection sampling verifies, and that rule's acceptance tests.
@@ -45,9 +46,9 @@ class RowSampling:
   """Sampling settings per row, as arrays: temperature float32[B] (0: greedy), top_k int32[B]
   (0: off), top_p float32[B] (1: off). Values are the caller's to check (`validate.sampling`)."""
 
-  temperature: jax.Array
-  top_k: jax.Array
-  top_p: jax.Array
+  temperature: jax.Array = axes("batch")
+  top_k: jax.Array = axes("batch")
+  top_p: jax.Array = axes("batch")
 
   @classmethod
   def of(cls, temperature, top_k, top_p) -> "RowSampling":

@@ -33,6 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+from mtp_jax.blocks.axes import leaf_axes
 from mtp_jax.blocks.linear import AXES, axis_resolver
 from mtp_jax.mtp import MtpModel
 from mtp_jax.proposer import ProposerState
@@ -56,6 +57,11 @@ RULES: dict[str, tuple[str, ...]] = {
     "expert_mlp": (MODEL,),  # a routed expert's width, when the experts left "model" free
     "q_lora": (),  # MLA's q LoRA rank
     "kv_lora": (),  # MLA's latent (and shared rope key): every head reads it
+    # State only (blocks/axes.py): cache rows, page pools and the page table are never split.
+    "cache_rows": (),  # a contiguous cache's rows (positions)
+    "pages": (),  # a page pool's pages: any slot may hold any page
+    "page_rows": (),  # the rows of one page
+    "table_slots": (),  # the page table's slots: every device reads every slot's pages
 }
 
 
@@ -140,29 +146,17 @@ def param_specs(model: MtpModel | TargetModel, mesh: Mesh):
 def state_specs(state: ProposerState | TargetState, mesh: Mesh):
   """PartitionSpecs for a ProposerState or TargetState, as a pytree of the same kind.
 
-  Batch B on "data" (replicated if B % data != 0). Caches as their `partition_specs` say: GQA
-  dtype[B, L, Hkv, Dh] with Hkv on "model" when Hkv % model == 0, MLA latents replicated on
-  "model"; paged pools dtype[num_pages, page_size, ...] likewise by KV heads (MLA's replicated),
-  never by batch (any slot may hold any page), and the page allocator replicated. Proposer: tail
-  dtype[B, K, D], draft_probs float32[B, K, V] by batch; lengths int32[K, B] on axis 1; num_pos,
-  num_drafted int32[B]. Target: length int32[B].
+  Each array's spec is its declared logical axes (blocks/axes.py: declared on the state's and
+  the caches' fields) mapped through RULES, as params are: the slots ("batch") on "data" when B
+  divides, KV heads on "model" when Hkv divides (GQA caches dtype[B, L, Hkv, Dh] and paged pools
+  dtype[num_pages, page_size, Hkv, Dh]); MLA latents, page pools' pages and the page allocator
+  (its table's "table_slots" included: any slot may hold any page) replicated.
   """
-  sizes = _axis_sizes(mesh)
-  data_size, m = sizes[DATA], sizes[MODEL]
-  if isinstance(state, ProposerState):
-    batch = state.batch_size
-  elif isinstance(state, TargetState):
-    batch = state.length.shape[0]
-  else:
+  if not isinstance(state, (ProposerState, TargetState)):
     raise TypeError(f"state must be a ProposerState or TargetState, got {type(state).__name__}")
-  b = DATA if batch % data_size == 0 else None
-
-  caches = state.caches.partition_specs(b, MODEL, m)
-  if isinstance(state, TargetState):
-    return state.set(caches=caches, length=P(b))
-  return state.set(caches=caches, tail=tuple(P(b, None, None) for _ in state.tail),
-                   lengths=P(None, b), num_pos=P(b), num_drafted=P(b),
-                   draft_probs=None if state.draft_probs is None else P(b, None, None))
+  _axis_sizes(mesh)
+  leaves, treedef = jax.tree_util.tree_flatten(state)
+  return treedef.unflatten([logical_spec(names, np.shape(x), mesh) for x, names in zip(leaves, leaf_axes(state))])
 
 
 def _put(x, sharding: NamedSharding):

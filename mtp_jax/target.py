@@ -11,6 +11,7 @@ from flax import nnx
 
 from mtp_jax import validate
 from mtp_jax.blocks import Block, Embed, LayerCache, LayerCaches, Linear, Pages, RMSNorm, TreeRows
+from mtp_jax.blocks.axes import axes
 from mtp_jax.blocks.caches import CachedState
 from mtp_jax.config import TargetConfig
 from mtp_jax.mtp import assign_state_dict, param_names
@@ -52,7 +53,7 @@ class TargetState(CachedState):
   length: int32[B], rows written per sequence."""
 
   caches: LayerCaches
-  length: jax.Array
+  length: jax.Array = axes("batch")
 
   @property
   def rows_held(self) -> jax.Array:

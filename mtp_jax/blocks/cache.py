@@ -25,8 +25,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
+from mtp_jax.blocks.axes import axes
 from mtp_jax.blocks.masks import TreeRows, causal_mask, gqa_attention, readable_rows
 from mtp_jax.config import BlockConfig
 
@@ -133,8 +133,8 @@ class ContiguousRows:
 class KVCache(ContiguousRows, LayerCache):
   """One GQA layer's cache: k dtype[B, L, Hkv, Dh], v dtype[B, L, Hkv, Dv], row j at index j."""
 
-  k: jax.Array
-  v: jax.Array
+  k: jax.Array = axes("batch", "cache_rows", "kv_heads", "head_dim")
+  v: jax.Array = axes("batch", "cache_rows", "kv_heads", "head_dim")
 
   @classmethod
   def zeros(cls, cfg: BlockConfig, batch_size: int, max_len: int, dtype=None) -> "KVCache":
@@ -153,11 +153,6 @@ class KVCache(ContiguousRows, LayerCache):
                   write_rows(self.v, rows_BxT, valid_BxT, v_BxTxKxDh))
     return new, (new.k, new.v), all_rows(self.k.shape[0], self.max_len)
 
-  def partition_specs(self, batch_axis, model_axis, model_size: int) -> "KVCache":
-    """PartitionSpecs: B on batch_axis, Hkv on model_axis when it divides by model_size."""
-    spec = P(batch_axis, None, model_axis if self.k.shape[2] % model_size == 0 else None, None)
-    return KVCache(spec, spec)
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -165,8 +160,8 @@ class MlaCache(ContiguousRows, LayerCache):
   """One MLA layer's cache, row j at index j: the compressed latent dtype[B, L, R] (after
   kv_a_layernorm) and the rope key dtype[B, L, Dr] that all heads share (see mla.py)."""
 
-  latent: jax.Array
-  k_rope: jax.Array
+  latent: jax.Array = axes("batch", "cache_rows", "kv_lora")
+  k_rope: jax.Array = axes("batch", "cache_rows", "head_dim")
 
   @classmethod
   def zeros(cls, cfg: BlockConfig, batch_size: int, max_len: int, dtype=None) -> "MlaCache":
@@ -183,8 +178,3 @@ class MlaCache(ContiguousRows, LayerCache):
     new = MlaCache(write_rows(self.latent, rows_BxT, valid_BxT, latent_BxTxR),
                    write_rows(self.k_rope, rows_BxT, valid_BxT, k_rope_BxTxDr))
     return new, (new.latent, new.k_rope), all_rows(self.latent.shape[0], self.max_len)
-
-  def partition_specs(self, batch_axis, model_axis, model_size: int) -> "MlaCache":
-    """PartitionSpecs: B on batch_axis; every head reads the whole latent, so no model split."""
-    del model_axis, model_size
-    return MlaCache(P(batch_axis, None, None), P(batch_axis, None, None))

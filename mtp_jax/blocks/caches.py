@@ -21,21 +21,24 @@ import jax.numpy as jnp
 
 from mtp_jax import validate
 from mtp_jax.blocks.cache import KVCache, MlaCache
+from mtp_jax.blocks.dsa import DsaCache, PagedDsaCache
 from mtp_jax.blocks.paged import Pages, PagedKVCache, PagedMlaCache, check_paging
 from mtp_jax.config import BlockConfig
 
 
-def init_cache(cfg: BlockConfig, batch_size: int, max_len: int, dtype=None) -> KVCache | MlaCache:
+def init_cache(cfg: BlockConfig, batch_size: int, max_len: int, dtype=None) -> KVCache | MlaCache | DsaCache:
   """An empty contiguous cache of the kind cfg's attention uses, for batch_size sequences of max_len rows.
 
   dtype: cache dtype (default cfg.dtype).
   """
-  return (KVCache if cfg.mla is None else MlaCache).zeros(cfg, batch_size, max_len, dtype)
+  kind = KVCache if cfg.mla is None else MlaCache if cfg.dsa is None else DsaCache
+  return kind.zeros(cfg, batch_size, max_len, dtype)
 
 
-def init_paged_cache(cfg: BlockConfig, pages: Pages, dtype=None) -> PagedKVCache | PagedMlaCache:
+def init_paged_cache(cfg: BlockConfig, pages: Pages, dtype=None) -> PagedKVCache | PagedMlaCache | PagedDsaCache:
   """An empty paged cache of the kind cfg's attention uses, with pools of pages.num_pages pages."""
-  return (PagedKVCache if cfg.mla is None else PagedMlaCache).zeros(cfg, pages, dtype)
+  kind = PagedKVCache if cfg.mla is None else PagedMlaCache if cfg.dsa is None else PagedDsaCache
+  return kind.zeros(cfg, pages, dtype)
 
 
 def _allocator(batch_size, max_len, page_size, num_pages, pages):
@@ -209,8 +212,3 @@ class LayerCaches:
     """Every layer with row src_BxA[b, a] copied to row dst_BxA[b, a] (int32[B, A]) where valid_BxA
     (paged: through the table; the rows must lie in pages the slots hold)."""
     return self.close(c.move_rows(src_BxA, dst_BxA, valid_BxA) for c in self._bound())
-
-  def partition_specs(self, batch_axis, model_axis, model_size: int) -> "LayerCaches":
-    """PartitionSpecs: each layer's own (`partition_specs`), the allocator replicated."""
-    return self.set(layers=tuple(c.partition_specs(batch_axis, model_axis, model_size) for c in self.layers),
-                    pages=None if self.pages is None else self.pages.partition_specs())

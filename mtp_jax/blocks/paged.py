@@ -35,9 +35,9 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
 
 from mtp_jax import validate
+from mtp_jax.blocks.axes import axes
 from mtp_jax.blocks.cache import NO_ROW, LayerCache
 from mtp_jax.blocks.masks import TreeRows, causal_mask, readable_rows
 from mtp_jax.config import BlockConfig
@@ -95,11 +95,11 @@ class Pages:
     or freed here, `used` is the pages the last `ensure` found covering the slot's rows.
   """
 
-  table: jax.Array
-  used: jax.Array
-  free: jax.Array
-  num_free: jax.Array
-  oom: jax.Array
+  table: jax.Array = axes("table_slots", None)
+  used: jax.Array = axes("table_slots")
+  free: jax.Array = axes(None)
+  num_free: jax.Array = axes()
+  oom: jax.Array = axes("table_slots")
   page_size: int = dataclasses.field(metadata=dict(static=True))
   budget: int = dataclasses.field(metadata=dict(static=True))
   is_external: bool = dataclasses.field(default=False, metadata=dict(static=True))
@@ -226,10 +226,6 @@ class Pages:
     freed = self.release(jnp.where(mask_B, 0, self.used * self.page_size))
     return dataclasses.replace(freed, oom=self.oom & ~mask_B)
 
-  def partition_specs(self) -> "Pages":
-    """PartitionSpecs: every array replicated (each device addresses every slot's pages)."""
-    return jax.tree.map(lambda _: P(), self)
-
 
 class PagedRows(LayerCache):
   """What the paged caches share (a mixin): their pools, named in POOLS, each
@@ -320,11 +316,11 @@ class PagedKVCache(PagedRows):
 
   POOLS = ("k", "v")
 
-  k: jax.Array
-  v: jax.Array
-  table: jax.Array | None
+  k: jax.Array = axes("pages", "page_rows", "kv_heads", "head_dim")
+  v: jax.Array = axes("pages", "page_rows", "kv_heads", "head_dim")
+  table: jax.Array | None = axes("table_slots", None)
   max_pages: int = dataclasses.field(metadata=dict(static=True))
-  used: jax.Array | None = None
+  used: jax.Array | None = axes("table_slots", default=None)
   budget: int | None = dataclasses.field(default=None, metadata=dict(static=True))
   span: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
@@ -403,13 +399,6 @@ class PagedKVCache(PagedRows):
                                 preferred_element_type=jnp.float32)
     return jax.ops.segment_sum(out_UxTxKxGxDh, owner_U, num_segments=b, indices_are_sorted=True)
 
-  def partition_specs(self, batch_axis, model_axis, model_size: int) -> "PagedKVCache":
-    """PartitionSpecs: pools' Hkv on model_axis when it divides by model_size; pages are shared
-    by the whole batch, so no axis is on batch_axis (the table, bound per call, lives in `Pages`)."""
-    del batch_axis
-    pool = P(None, None, model_axis if self.k.shape[2] % model_size == 0 else None, None)
-    return PagedKVCache(pool, pool, None, self.max_pages)
-
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
@@ -419,11 +408,11 @@ class PagedMlaCache(PagedRows):
 
   POOLS = ("latent", "k_rope")
 
-  latent: jax.Array
-  k_rope: jax.Array
-  table: jax.Array | None
+  latent: jax.Array = axes("pages", "page_rows", "kv_lora")
+  k_rope: jax.Array = axes("pages", "page_rows", "head_dim")
+  table: jax.Array | None = axes("table_slots", None)
   max_pages: int = dataclasses.field(metadata=dict(static=True))
-  used: jax.Array | None = None
+  used: jax.Array | None = axes("table_slots", default=None)
   budget: int | None = dataclasses.field(default=None, metadata=dict(static=True))
   span: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
@@ -432,8 +421,3 @@ class PagedMlaCache(PagedRows):
     dtype = dtype or cfg.jnp_dtype
     pool = lambda width: jnp.zeros((pages.num_pages, pages.page_size, width), dtype)
     return cls(pool(cfg.mla.kv_lora_rank), pool(cfg.mla.qk_rope_head_dim), None, pages.table.shape[1])
-
-  def partition_specs(self, batch_axis, model_axis, model_size: int) -> "PagedMlaCache":
-    """PartitionSpecs: replicated (every head reads the whole latent; pages are shared by the batch)."""
-    del batch_axis, model_axis, model_size
-    return PagedMlaCache(P(None, None, None), P(None, None, None), None, self.max_pages)

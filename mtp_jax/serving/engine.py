@@ -365,8 +365,7 @@ class Engine:
   def _paging_for(self, idx_A, num_new_A) -> DecodeStep:
     """The width-free step for a call adding num_new_A rows to the slots idx_A: it reads their pages
     only, the span of the longest (a prefill reads its prompts' pages, not a running request's)."""
-    need = int(jit_span_needed_on(self._base, self.target, self.proposer, self._grammars.union, self._s, idx_A,
-                                  np.asarray(num_new_A, np.int32)))
+    need = int(jit_span_needed_on(self._base, self._s, idx_A, np.asarray(num_new_A, np.int32)))
     span = budget_bucket(need, self.max_len // self.page_size, minimum=2)
     return DecodeStep(self._base.settings.with_budget(self.num_pages, span))
 

@@ -77,8 +77,8 @@ def jit_span_needed(step: DecodeStep, s: LoopState, num_new_B) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("step",))
-def jit_span_needed_on(step: DecodeStep, target, proposer, grammar, s: LoopState, idx_A, num_new_A) -> jax.Array:
-  return step.span_needed_on(target, proposer, grammar, s, idx_A, num_new_A)
+def jit_span_needed_on(step: DecodeStep, s: LoopState, idx_A, num_new_A) -> jax.Array:
+  return step.span_needed_on(s, idx_A, num_new_A)
 
 
 @functools.partial(jax.jit, static_argnames=("step", "batch_size"))

@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax import proposer as prop
+from mtp_jax.blocks.axes import axes
 from mtp_jax.sampling import RowSampling, row_keys
 from mtp_jax.target import TargetState
 
@@ -28,9 +29,9 @@ class SlotSettings:
   """
 
   sampling: RowSampling
-  keys: jax.Array
-  num_drafts: jax.Array
-  eos: jax.Array
+  keys: jax.Array = axes("batch")
+  num_drafts: jax.Array = axes("batch")
+  eos: jax.Array = axes("batch", None)
 
   @classmethod
   def free(cls, batch_size: int) -> "SlotSettings":
@@ -77,21 +78,21 @@ class LoopState:
 
   target: TargetState
   proposer: prop.ProposerState | None
-  last: jax.Array
-  drafts: jax.Array
-  grammar_state: jax.Array | None
-  out: jax.Array
-  num_out: jax.Array
-  done: jax.Array
-  max_new: jax.Array
-  target_calls: jax.Array
-  verify_calls: jax.Array
-  accepted: jax.Array
-  target_tokens: jax.Array
-  accepted_at: jax.Array
-  proposed_at: jax.Array
+  last: jax.Array = axes("batch")
+  drafts: jax.Array = axes("batch", None)
+  grammar_state: jax.Array | None = axes("batch")
+  out: jax.Array = axes("batch", None)
+  num_out: jax.Array = axes("batch")
+  done: jax.Array = axes("batch")
+  max_new: jax.Array = axes("batch")
+  target_calls: jax.Array = axes("batch")
+  verify_calls: jax.Array = axes("batch")
+  accepted: jax.Array = axes("batch")
+  target_tokens: jax.Array = axes("batch")
+  accepted_at: jax.Array = axes(None)
+  proposed_at: jax.Array = axes(None)
   slots: SlotSettings
-  tree_probs: jax.Array | None = None
+  tree_probs: jax.Array | None = axes("batch", None, "vocab", default=None)
 
   def set(self, **changes) -> "LoopState":
     return dataclasses.replace(self, **changes)

@@ -47,6 +47,7 @@ from mtp_jax import grammar as grammar_lib
 from mtp_jax import proposer as prop
 from mtp_jax import sharding
 from mtp_jax.blocks import Pages
+from mtp_jax.blocks.axes import put_slots, take_slots
 from mtp_jax.serving.options import Paging, StepSettings
 from mtp_jax.serving.parts import Drafter, Verifier, draw_tokens, pick_verifier
 from mtp_jax.serving.state import LoopState, SlotSettings
@@ -224,14 +225,6 @@ class DecodeStep:
               tree_probs=None if s.tree_probs is None else keep(tree_probs, s.tree_probs))
     return self._stop_out_of_pages(s)
 
-  def slot_axes(self, target, proposer, grammar) -> list[int]:
-    """For each leaf of this step's LoopState (flattened order): the axis that runs over the slots,
-    or -1 for a leaf all slots share (page pools, the free list, the step key, counters per
-    position). Read from the shapes of a 1-slot and a 2-slot state, so no field is listed by hand."""
-    shapes = [jax.tree_util.tree_leaves(jax.eval_shape(lambda: self.init(target, proposer, grammar, b)))
-              for b in (1, 2)]
-    return [next((i for i, (x, y) in enumerate(zip(a.shape, b.shape)) if x != y), -1) for a, b in zip(*shapes)]
-
   def prefill_slots(self, target, proposer, grammar, s: LoopState, idx_A, prompts_AxT, lens_A, admit_A, gstart_A,
                     max_new_A, slots: SlotSettings) -> LoopState:
     """`prefill` over the A slots idx_A (int32[A], distinct) only: the admitted ones are those of
@@ -240,7 +233,7 @@ class DecodeStep:
     slots costs B x T rows of the target for the few admitted). A slot whose earlier prompt parts
     `prefill_part` wrote gets its last part here: its rows continue after them. Not on a mesh
     (A need not divide the data axis)."""
-    return self._on_slots(target, proposer, grammar, s, idx_A, lambda sub: self.prefill(
+    return self._on_slots(s, idx_A, lambda sub: self.prefill(
         target, proposer, grammar, sub, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A, slots))
 
   def prefill_part(self, target, proposer, grammar, s: LoopState, slot_1, prompt_1xT, len_1, next_1xT) -> LoopState:
@@ -258,41 +251,32 @@ class DecodeStep:
       _, _, pstate = self.drafter.draft(proposer, None, sub.proposer, hid, next_1xT, len_1, None, sub.slots,
                                         sub.num_out)
       return sub.set(proposer=pstate)
-    return self._on_slots(target, proposer, grammar, s, slot_1, part)
+    return self._on_slots(s, slot_1, part)
 
-  def span_needed_on(self, target, proposer, grammar, s: LoopState, idx_A, num_new_A) -> jax.Array:
+  def span_needed_on(self, s: LoopState, idx_A, num_new_A) -> jax.Array:
     """int32[]: `span_needed` of the A slots idx_A (int32[A], distinct) alone, after adding num_new_A
     (int32[A]) rows to each: the page span of a call over those slots (`prefill_slots`,
     `prefill_part`, `run_for_slots`), which reads their pages only."""
-    return self.span_needed(self._take(target, proposer, grammar, s, idx_A)[0], num_new_A)
+    return self.span_needed(self._take(s, idx_A), num_new_A)
 
   def run_for_slots(self, target, proposer, grammar, s: LoopState, idx_A, max_steps) -> LoopState:
     """`run_for` over the A slots idx_A (int32[A], distinct) only; the others are not computed. The
     Engine passes its running slots (padded to a power of two with idle ones), so a step over a
     few running requests costs a few slots' rows, not all B (the page pools are shared, so only
     the per-slot arrays are gathered and put back)."""
-    return self._on_slots(target, proposer, grammar, s, idx_A,
+    return self._on_slots(s, idx_A,
                           lambda sub: self.run_for(target, proposer, grammar, sub, max_steps))
 
-  def _take(self, target, proposer, grammar, s: LoopState, idx_A):
-    """(the A-slot state of slots idx_A, reading this step's page budget; the leaves' slot axes)."""
-    axes = self.slot_axes(target, proposer, grammar)
-    leaves, treedef = jax.tree_util.tree_flatten(s)
-    if len(axes) != len(leaves):
-      raise ValueError(f"the state has {len(leaves)} arrays, this step's {len(axes)}")
-    sub = treedef.unflatten([x if a < 0 else jnp.take(x, idx_A, axis=a) for x, a in zip(leaves, axes)])
-    return self._budgeted(sub, self.settings.paging), axes
+  def _take(self, s: LoopState, idx_A) -> LoopState:
+    """The A-slot state of slots idx_A (the slot axes each state field declares), reading this
+    step's page budget and span."""
+    return self._budgeted(take_slots(s, idx_A), self.settings.paging)
 
-  def _on_slots(self, target, proposer, grammar, s: LoopState, idx_A, fn) -> LoopState:
+  def _on_slots(self, s: LoopState, idx_A, fn) -> LoopState:
     """fn applied to the A-slot state of slots idx_A (int32[A], distinct), its slots put back.
     The A slots' calls read this step's page budget and span (sized for their pages by the
     caller, with `span_needed_on`); the whole state keeps its own."""
-    sub, axes = self._take(target, proposer, grammar, s, idx_A)
-    sub = self._budgeted(fn(sub), s.target.pages)
-    leaves = jax.tree_util.tree_leaves(s)
-    put = lambda x, y, a: y if a < 0 else x.at[(slice(None),) * a + (idx_A,)].set(y)
-    sub_leaves, sub_def = jax.tree_util.tree_flatten(sub)  # its static fields as fn left them
-    return sub_def.unflatten([put(x, y, a) for x, y, a in zip(leaves, sub_leaves, axes)])
+    return put_slots(s, self._budgeted(fn(self._take(s, idx_A)), s.target.pages), idx_A)
 
   @staticmethod
   def _budgeted(s: LoopState, paging: Paging | Pages | None) -> LoopState:
