@@ -48,3 +48,49 @@ def test_the_demo_loader_and_serving_import_nothing_above_them():
     assert not {m for m in _imports(file) if m.startswith("mtp_jax.serving") or m in above}, file
   for file in (PACKAGE / "serving").glob("*.py"):
     assert not {m for m in _imports(file) if m in above}, file
+
+
+# The package's layers, bottom up, as the data flows (README's Layout): a module imports only
+# from its own layer or those below. Imports under `if TYPE_CHECKING:` are annotations, not imports.
+LAYERS = [
+    ["validate", "data", "config", "checkpoint"],
+    ["blocks"],
+    ["mtp", "grammar", "tree", "sampling"],
+    ["proposer_state", "proposer", "target", "verify"],
+    ["sharding", "checkpoint_dir", "families"],
+    ["demo_models", "layouts", "pretrained"],
+    ["serving"],
+    ["train", "demo", "cli"],
+]
+
+
+def _layer(module: str) -> int:
+  top = module.split(".")[1]
+  return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def _runtime_imports(file: Path) -> set[str]:
+  tree = ast.parse(file.read_text())
+  skip = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+          for n in ast.walk(node)}
+  names = set()
+  for node in ast.walk(tree):
+    if id(node) in skip:
+      continue
+    if isinstance(node, ast.Import):
+      names.update(a.name for a in node.names)
+    elif isinstance(node, ast.ImportFrom) and node.module:
+      names.update(f"{node.module}.{a.name}" if node.module == "mtp_jax" else node.module for a in node.names)
+  return {n for n in names if n.startswith("mtp_jax.")}
+
+
+def test_nothing_imports_upward():
+  upward = []
+  for file in sorted(PACKAGE.rglob("*.py")):
+    if file == PACKAGE / "__init__.py":
+      continue
+    module = ".".join(file.relative_to(ROOT).with_suffix("").parts)
+    for name in _runtime_imports(file):
+      if _layer(name) > _layer(module):
+        upward.append(f"{module} imports {name}")
+  assert not upward, upward
