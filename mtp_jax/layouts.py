@@ -235,6 +235,15 @@ def block_kwargs_from_hf(config: Mapping) -> dict:
   )
 
 
+def refuse_mtp(config: Mapping) -> None:
+  """Raises NotImplementedError naming config.json's model_type and why, for a family whose MTP
+  modules mtp_jax does not load (`Family.mtp_refusal`: Gemma 4 assistants, DeepSeek-V4, ...)."""
+  family = families.family_of(config)
+  if family is not None and family.mtp_refusal:
+    raise NotImplementedError(f"config.json: model_type {config.get('model_type')!r} has no MTP modules mtp_jax can "
+                              f"load: {family.title}'s {family.mtp_refusal}")
+
+
 def config_from_hf(config: Mapping | str | os.PathLike, *, layout: str | None = None) -> MtpConfig:
   """An MtpConfig from an HF config.json (dict or path), or from one written by save_canonical.
 
@@ -245,6 +254,7 @@ def config_from_hf(config: Mapping | str | os.PathLike, *, layout: str | None = 
   config = _load_json(config)
   if "mtp_jax" in config:
     return MtpConfig(**config["mtp_jax"])
+  refuse_mtp(config)
   family = families.family_of(config, layout)
   num_modules = next((config[k] for k in _NUM_MTP_KEYS if config.get(k)), family.num_mtp if family else None)
   if num_modules is None:
@@ -371,6 +381,7 @@ def read_mtp_checkpoint(path, *,
     if not os.path.isfile(config_path):
       raise FileNotFoundError(f"no config.json beside {reader.path}")
     hf = check_hf_config(read_json(config_path), config_path)
+  refuse_mtp(hf)
   with CheckpointReader(path, fp8=fp8_from_hf(hf, file=config_path)) as reader:
     layout = layout or detect_layout(reader.keys())
     cfg = config_from_hf(hf, layout=layout)

@@ -245,6 +245,7 @@ def load_mtp(path, *, dtype=None, max_depth: int | None = None, allow_nonfinite:
   bad = sorted(set(conventions) - set(layouts.CONVENTION_FIELDS))
   if bad:
     raise TypeError(f"unknown convention(s) {bad}; expected some of {layouts.CONVENTION_FIELDS}")
+  layouts.refuse_mtp(config)
   with CheckpointReader(path, fp8=layouts.fp8_from_hf(config, _dtype(config, dtype))) as reader:
     layout = layouts.detect_layout(reader.keys())
     base = layouts.config_from_hf(config, layout=layout)

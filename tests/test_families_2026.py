@@ -201,3 +201,33 @@ def test_exaone_moe_refusals():
   with pytest.raises(ValueError, match="different windows"):
     layouts.config_from_hf(hf | {"num_nextn_predict_layers": 2, "mtp_layer_types": ["sliding_attention",
                                                                                     "full_attention"]})
+
+
+# Families refused by name ----------------------------------------------------------------------------
+
+REFUSED = [("gemma4_assistant", True, "KV cache", "holds no target"),
+           ("gemma4_unified_assistant", True, "KV cache", "holds no target"),
+           ("deepseek_v4", False, "hyper-connection", "hyper-connection"),
+           ("step3p5", False, "LM heads of their own", "head-wise attention gates"),
+           ("step3p7", True, "LM heads of their own", "head-wise attention gates"),
+           ("bailing_hybrid", False, "head-wise gate", "KDA linear-attention")]
+
+
+@pytest.mark.parametrize("model_type, nested, mtp_why, target_why", REFUSED)
+def test_refused_families_name_the_model_type_and_reason(tmp_path, model_type, nested, mtp_why, target_why):
+  """load_mtp / read_mtp_checkpoint / config_from_hf and load_target refuse these directories by
+  model_type with the reason, before reading a tensor (the fields under text_config where the
+  release nests them)."""
+  fields = dict(vocab_size=V, hidden_size=D, num_attention_heads=4, num_hidden_layers=2, num_nextn_predict_layers=1)
+  hf = {"model_type": model_type, "text_config": fields} if nested else {"model_type": model_type, **fields}
+  (tmp_path / "config.json").write_text(json.dumps(hf))
+  save_tensors(tmp_path / "model.safetensors", {"model.embed_tokens.weight": np.zeros((V, D), np.float32)})
+  mtp_error = f"'{model_type}' has no MTP modules mtp_jax can load: .*{mtp_why}"
+  with pytest.raises(NotImplementedError, match=mtp_error):
+    load_mtp(tmp_path)
+  with pytest.raises(NotImplementedError, match=mtp_error):
+    layouts.read_mtp_checkpoint(tmp_path)
+  with pytest.raises(NotImplementedError, match=mtp_error):
+    layouts.config_from_hf(hf)
+  with pytest.raises(NotImplementedError, match=f"'{model_type}' has no target.*{target_why}"):
+    mtp_jax.load_target(tmp_path)

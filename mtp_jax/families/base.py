@@ -106,7 +106,8 @@ class Family:
   model_types whose target mtp_jax builds; target_refusal: why the others' is not, for the error.
   sources: where its conventions were read, for the docs. layout_sources: where its MTP tensors
   are when it stores them otherwise than `layout` reads them under the same names (ExaONE-MoE:
-  Qwen3-Next's names, plain RMSNorm weights where Qwen3-Next's are zero-centred); None: the layout's."""
+  Qwen3-Next's names, plain RMSNorm weights where Qwen3-Next's are zero-centred); None: the layout's.
+  mtp_refusal: why its MTP modules do not load, for the error (empty: they load where a layout reads them)."""
   name: str
   title: str
   model_types: tuple[str, ...]
@@ -121,4 +122,5 @@ class Family:
   target_refusal: str = ""
   sources: str = ""
   layout_sources: Callable[[MtpConfig, set, int | None], Sources] | None = None
+  mtp_refusal: str = ""
 
