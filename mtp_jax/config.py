@@ -80,6 +80,26 @@ class MlaConfig:
         raise ValueError(f"MlaConfig.{name} must be a positive finite number, got {value!r}")
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DsaConfig:
+  """DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): a lightning indexer beside MLA picks, per
+  query, the index_topk cached keys it attends to (blocks/dsa.py).
+
+  index_n_heads / index_head_dim: the indexer's query heads and its one shared key's width; RoPE
+  turns the first qk_rope_head_dim dims of each (rope_interleave: pairs (0, 1), ... as GLM-5;
+  else halves, as DeepSeek-V3.2). index_topk: keys kept per query (all when fewer are visible).
+  """
+
+  index_n_heads: int
+  index_head_dim: int
+  index_topk: int
+  rope_interleave: bool = False
+
+  def __post_init__(self):
+    validate.dataclass_fields(self, positive=("index_n_heads", "index_head_dim", "index_topk"),
+                              flags=("rope_interleave",))
+
+
 def _as(cls, value):
   # Nested configs arrive as dicts from a config.json (dataclasses.asdict round trip).
   return cls(**value) if isinstance(value, dict) else value
@@ -171,6 +191,7 @@ class BlockConfig:
   partial_rotary_factor: float = 1.0  # rotate only the first int(head_dim * factor) dims
   rope_scaling: RopeScaling | None = None
   mla: MlaConfig | None = None  # MLA attention instead of GQA (num_kv_heads, head_dim unused)
+  dsa: DsaConfig | None = None  # DeepSeek Sparse Attention's indexer over the MLA latent cache (needs mla)
   sliding_window: int | None = None  # a query attends to itself and the window - 1 rows before it
   attention_sinks: bool = False  # a learned per-head logit in the softmax denominator (MiMo-V2-Flash)
   v_head_dim: int | None = None  # per-head value / attention-output width; None: head_dim (MiMo-V2-Flash 128 vs 192)
@@ -190,6 +211,14 @@ class BlockConfig:
           f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
     object.__setattr__(self, "rope_scaling", _as(RopeScaling, self.rope_scaling))
     object.__setattr__(self, "mla", _as(MlaConfig, self.mla))
+    object.__setattr__(self, "dsa", _as(DsaConfig, self.dsa))
+    if self.dsa is not None:
+      if self.mla is None or self.mla.q_lora_rank is None:
+        raise validate.InvalidValue(f"{cls}.dsa", f"{cls}.dsa needs mla with a q_lora_rank: the indexer's "
+                                    "queries read MLA's normed q LoRA")
+      if self.dsa.index_head_dim < self.mla.qk_rope_head_dim:
+        raise validate.InvalidValue(f"{cls}.dsa", f"{cls}.dsa.index_head_dim ({self.dsa.index_head_dim}) must "
+                                    f"be >= mla.qk_rope_head_dim ({self.mla.qk_rope_head_dim}), the dims RoPE turns")
     if not 0.0 < self.partial_rotary_factor <= 1.0:
       raise validate.InvalidValue(f"{cls}.partial_rotary_factor",
                                   f"{cls}.partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")

@@ -68,12 +68,12 @@ _POSITIVE_INTS = ("num_hidden_layers", "num_layers", "num_key_value_heads", "hea
                   "kv_lora_rank", "q_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "n_group",
                   "topk_group", "max_position_embeddings",
                   "swa_num_attention_heads", "swa_num_key_value_heads", "swa_head_dim",
-                  "swa_v_head_dim") + _NUM_MTP_KEYS
+                  "swa_v_head_dim", "index_n_heads", "index_head_dim", "index_topk") + _NUM_MTP_KEYS
 _COUNTS = ("n_shared_experts", "first_k_dense_replace")
 _POSITIVE_REALS = ("rms_norm_eps", "rope_theta", "partial_rotary_factor", "routed_scaling_factor",
                    "layernorm_epsilon", "swa_rope_theta", "attention_value_scale")
 _FLAGS = ("tie_word_embeddings", "attention_bias", "use_qk_norm", "norm_topk_prob", "rope_interleave", "use_bias",
-          "add_swa_attention_sink_bias")
+          "add_swa_attention_sink_bias", "indexer_rope_interleave")
 _OBJECTS = ("rope_scaling", "rope_parameters", "quantization_config")
 
 
@@ -217,6 +217,7 @@ def block_kwargs_from_hf(config: Mapping) -> dict:
       rope_interleave=bool(config.get("rope_interleave", blocks.rope_interleave or mla is not None)),
       rope_scaling=scaling,
       mla=mla,
+      dsa=family.dsa(config) if family is not None and family.dsa is not None else None,
       # GLM-4.5's per-head q / k RMSNorms (use_qk_norm); Qwen3-Next always has them.
       qk_norm=bool(config.get("use_qk_norm", blocks.qk_norm)),
       moe=moe_from_hf(config),

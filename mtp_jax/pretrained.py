@@ -70,6 +70,8 @@ def target_config_from_hf(config: Mapping, *, dtype=None) -> TargetConfig:
     supported = [t for f in families.FAMILIES.values() for t in f.target]
     raise NotImplementedError(f"config.json: model_type {model_type!r} has no target mtp_jax can build{why} "
                               f"(supported: {', '.join(supported)}); its MTP modules load alone with load_mtp")
+  if family.target_check is not None:
+    family.target_check(config)
   if config.get("num_hidden_layers") is None:
     raise validate.InvalidValue("config.json: num_hidden_layers",
                                 "config.json has no 'num_hidden_layers' (the target's layer count)")

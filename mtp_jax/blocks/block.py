@@ -6,6 +6,7 @@ from flax import nnx
 
 from mtp_jax.blocks.attention import Attention
 from mtp_jax.blocks.cache import LayerCache
+from mtp_jax.blocks.dsa import DsaAttention
 from mtp_jax.blocks.linear import constrain
 from mtp_jax.blocks.masks import TreeRows
 from mtp_jax.blocks.mla import MlaAttention
@@ -18,7 +19,7 @@ _HIDDEN = ("batch", None, "embed")  # the residual stream's logical axes
 
 
 class Block(nnx.Module):
-  """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.)); attn is GQA or MLA per cfg.
+  """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.)); attn is GQA, MLA or DSA per cfg.
 
   mlp is the dense `Mlp`, or a `Moe` when cfg.moe is set, except in target layers with
   layer_idx < cfg.moe.first_k_dense_replace. MTP modules pass no layer_idx: always MoE.
@@ -29,7 +30,8 @@ class Block(nnx.Module):
     norm = lambda: RMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps, dtype=dt, unit_offset=cfg.norm_unit_offset,
                            axis="embed")
     self.input_layernorm = norm()
-    self.self_attn = Attention(cfg, rngs=rngs) if cfg.mla is None else MlaAttention(cfg, rngs=rngs)
+    attention = Attention if cfg.mla is None else MlaAttention if cfg.dsa is None else DsaAttention
+    self.self_attn = attention(cfg, rngs=rngs)
     self.post_attention_layernorm = norm()
     dense = cfg.moe is None or (layer_idx is not None and layer_idx < cfg.moe.first_k_dense_replace)
     self.mlp = Mlp(cfg, rngs=rngs) if dense else Moe(cfg, rngs=rngs)

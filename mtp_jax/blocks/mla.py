@@ -66,44 +66,61 @@ class MlaAttention(nnx.Module):
   def __call__(self, x_BxTxD, rows_BxT, valid_BxT, cache: cache_lib.MlaCache | None, rope_offset: int = 0,
                tree: TreeRows | None = None, *, absorb: bool | None = None):
     """As `Attention.__call__`; absorb picks the form (default by `absorbs(T)`)."""
+    q_nope, q_rope, latent_BxTxR, k_rope_BxTxDr, _ = self.project(x_BxTxD, rows_BxT + rope_offset)
+    # The latent is MLA's value too: rows no query may read come back zeroed (see readable_rows).
+    new_cache, (latent_BxSxR, k_rope_BxSxDr), mask_BxTxS = cache_lib.or_none(cache).keys(
+        rows_BxT, valid_BxT, (latent_BxTxR, k_rope_BxTxDr), value=0, window=self.window, tree=tree)
+    out = self.attend(q_nope, q_rope, latent_BxSxR, k_rope_BxSxDr, mask_BxTxS, x_BxTxD.dtype, absorb=absorb)
+    return out, new_cache
+
+  def project(self, x_BxTxD, pos_BxT):
+    """This call's rows, rotated at positions int32[B, T]: (q_nope dtype[B, T, H, Dn], q_rope
+    dtype[B, T, H, Dr], latent dtype[B, T, R], k_rope dtype[B, T, Dr], the normed q LoRA
+    dtype[B, T, Rq] or None without one; DSA's indexer reads it)."""
     b, t, _ = x_BxTxD.shape
     m, h = self.mla, self.num_heads
-    rope = lambda a: apply_rope(a, rows_BxT + rope_offset, self.inv_freq, interleave=self.interleave,
+    rope = lambda a: apply_rope(a, pos_BxT, self.inv_freq, interleave=self.interleave,
                                 attention_factor=self.rope_factor)
+    q_resid = None
     if self.q_proj is not None:
       q = self.q_proj(x_BxTxD)
     else:
-      q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BxTxD)))
+      q_resid = self.q_a_layernorm(self.q_a_proj(x_BxTxD))
+      q = self.q_b_proj(q_resid)
     if m.q_lora_scale != 1.0:
       q = q * jnp.asarray(m.q_lora_scale, q.dtype)
     q = q.reshape(b, t, h, m.qk_nope_head_dim + m.qk_rope_head_dim)
-    q_nope_BxTxHxDn, q_rope_BxTxHxDr = q[..., :m.qk_nope_head_dim], rope(q[..., m.qk_nope_head_dim:])
     kv = self.kv_a_proj_with_mqa(x_BxTxD)
     latent_BxTxR = self.kv_a_layernorm(kv[..., :m.kv_lora_rank])
     if m.kv_lora_scale != 1.0:
       latent_BxTxR = latent_BxTxR * jnp.asarray(m.kv_lora_scale, latent_BxTxR.dtype)
     k_rope_BxTxDr = rope(kv[..., None, m.kv_lora_rank:])[:, :, 0]
-    # The latent is MLA's value too: rows no query may read come back zeroed (see readable_rows).
-    new_cache, (latent_BxSxR, k_rope_BxSxDr), mask_BxTxS = cache_lib.or_none(cache).keys(
-        rows_BxT, valid_BxT, (latent_BxTxR, k_rope_BxTxDr), value=0, window=self.window, tree=tree)
+    return q[..., :m.qk_nope_head_dim], rope(q[..., m.qk_nope_head_dim:]), latent_BxTxR, k_rope_BxTxDr, q_resid
+
+  def attend(self, q_nope_BxTxHxDn, q_rope_BxTxHxDr, latent_BxSxR, k_rope_BxSxDr, mask_BxTxS, out_dtype, *,
+             absorb: bool | None = None):
+    """Attention of this call's queries over S keys read from the cache (mask bool[B, T, S]), cast to
+    out_dtype, through o_proj: dtype[B, T, D]."""
+    b, t, h, _ = q_nope_BxTxHxDn.shape
+    m, dt = self.mla, q_nope_BxTxHxDn.dtype
     w_HxDnvxR = self.kv_b_proj.weight[...].reshape(h, -1, m.kv_lora_rank)
     w_uk_HxDnxR, w_uv_HxDvxR = w_HxDnvxR[:, :m.qk_nope_head_dim], w_HxDnvxR[:, m.qk_nope_head_dim:]
     f32 = dict(preferred_element_type=jnp.float32)
-    latent_BxSxR = latent_BxSxR.astype(q.dtype)
-    rope_scores = jnp.einsum("bthp,bsp->bhts", q_rope_BxTxHxDr, k_rope_BxSxDr.astype(q.dtype), **f32)
+    latent_BxSxR = latent_BxSxR.astype(dt)
+    rope_scores = jnp.einsum("bthp,bsp->bhts", q_rope_BxTxHxDr, k_rope_BxSxDr.astype(dt), **f32)
     if self.absorbs(t) if absorb is None else absorb:
       q_lat_BxTxHxR = jnp.einsum("bthn,hnr->bthr", q_nope_BxTxHxDn, w_uk_HxDnxR)
       scores = jnp.einsum("bthr,bsr->bhts", q_lat_BxTxHxR, latent_BxSxR, **f32) + rope_scores
-      probs = self._probs(scores, mask_BxTxS).astype(q.dtype)
+      probs = self._probs(scores, mask_BxTxS).astype(dt)
       out_lat_BxTxHxR = jnp.einsum("bhts,bsr->bthr", probs, latent_BxSxR)
       out_BxTxHxDv = jnp.einsum("bthr,hvr->bthv", out_lat_BxTxHxR, w_uv_HxDvxR)
     else:
       k_nope_BxSxHxDn = jnp.einsum("bsr,hnr->bshn", latent_BxSxR, w_uk_HxDnxR)
       v_BxSxHxDv = jnp.einsum("bsr,hvr->bshv", latent_BxSxR, w_uv_HxDvxR)
       scores = jnp.einsum("bthn,bshn->bhts", q_nope_BxTxHxDn, k_nope_BxSxHxDn, **f32) + rope_scores
-      probs = self._probs(scores, mask_BxTxS).astype(q.dtype)
+      probs = self._probs(scores, mask_BxTxS).astype(dt)
       out_BxTxHxDv = jnp.einsum("bhts,bshv->bthv", probs, v_BxSxHxDv)
-    return self.o_proj(out_BxTxHxDv.reshape(b, t, h * m.v_head_dim).astype(x_BxTxD.dtype)), new_cache
+    return self.o_proj(out_BxTxHxDv.reshape(b, t, h * m.v_head_dim).astype(out_dtype))
 
   def _probs(self, scores_BxHxTxS, mask_BxTxS):
     probs = attention_probs(scores_BxHxTxS[:, None] * self.scale, mask_BxTxS)

@@ -62,8 +62,8 @@ def table() -> str:
   rows = ["| family | `model_type` | MTP layout | target | chain from |", "|---|---|---|---|---|"]
   for f in FAMILIES.values():
     types = ", ".join(f"`{t}`" for t in f.model_types)
-    if f.target == f.model_types:
-      target = "yes"
+    if f.target == f.model_types:  # a refusal here: configs of a built model_type the target leaves out
+      target = f"yes; no: {f.target_refusal}" if f.target_refusal else "yes"
     elif f.target:
       target = f"{', '.join(f'`{t}`' for t in f.target)}; no: {f.target_refusal}"
     else:

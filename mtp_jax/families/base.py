@@ -11,7 +11,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
-from mtp_jax.config import MoeConfig, MtpConfig
+from mtp_jax.config import DsaConfig, MoeConfig, MtpConfig
 
 DEFAULT_EMBED, DEFAULT_HEAD = ("model.embed_tokens.weight",), ("lm_head.weight",)
 
@@ -107,7 +107,10 @@ class Family:
   sources: where its conventions were read, for the docs. layout_sources: where its MTP tensors
   are when it stores them otherwise than `layout` reads them under the same names (ExaONE-MoE:
   Qwen3-Next's names, plain RMSNorm weights where Qwen3-Next's are zero-centred); None: the layout's.
-  mtp_refusal: why its MTP modules do not load, for the error (empty: they load where a layout reads them)."""
+  mtp_refusal: why its MTP modules do not load, for the error (empty: they load where a layout reads them).
+  dsa: config.json -> the DeepSeek Sparse Attention indexer of its MLA layers (DeepSeek-V3.2,
+  GLM-5), None where it has none. target_check: raises NotImplementedError naming what of a
+  config.json of a built target type mtp_jax does not build (GLM-5's cross-layer top-k sharing)."""
   name: str
   title: str
   model_types: tuple[str, ...]
@@ -123,4 +126,6 @@ class Family:
   sources: str = ""
   layout_sources: Callable[[MtpConfig, set, int | None], Sources] | None = None
   mtp_refusal: str = ""
+  dsa: Callable[[Mapping], DsaConfig] | None = None
+  target_check: Callable[[Mapping], None] | None = None
 
