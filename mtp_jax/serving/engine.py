@@ -5,9 +5,9 @@ own settings (temperature, top_k, top_p, seed, num_drafts, end tokens, grammar):
 state as per-slot arrays (`SlotSettings`), so any mix runs one compiled step. `step()`:
 
 1. admits waiting requests into free slots (FIFO, while the page pool can hold each one's
-   worst case): one jitted `prefill_slots` over the admitted slots only writes their prompt rows,
+   worst case): one jitted `prefill` over the admitted slots only writes their prompt rows,
    emits their first token and drafts; running slots are neither computed nor touched;
-2. runs the decode step `generate` itself runs, over the running slots only (`run_for_slots`,
+2. runs the decode step `generate` itself runs, over the running slots only (`run_for` of a slot group,
    padded to a power of two; every slot when that is more than half of them); before each
    jitted call the host sets the page span (each slot's first pages, read as one dense block,
    see blocks/paged.py) from the pages the longest slot may hold, so reads follow the tokens in
@@ -56,8 +56,7 @@ from mtp_jax.serving.requests import Request, check_eos, check_grammar, slot_set
 from mtp_jax.serving.generate import MIN_CAPACITY, padded_prompts
 from mtp_jax.serving.options import EngineConfig, Paging, StepSettings
 from mtp_jax.serving.step import DecodeStep
-from mtp_jax.serving.jit import (jit_free, jit_prefill_part, jit_prefill_slots, jit_run_for, jit_run_for_slots,
-                                 jit_span_needed, jit_span_needed_on)
+from mtp_jax.serving.jit import jit_free, jit_prefill, jit_prefill_part, jit_run_for, jit_span_needed
 from mtp_jax.target import TargetModel
 
 
@@ -255,10 +254,8 @@ class Engine:
     step, running, traces, t1 = self._step, self.num_running, programs_built(), time.perf_counter()
     decoding = [slot for slot, rid in enumerate(self._slots) if rid is not None and not self._admission.in_parts(rid)]
     idx_A = self._slot_group(decoding)
-    if len(idx_A) == len(self._slots):
-      self._s = jit_run_for(step, self.target, self.proposer, self._grammars.union, self._s, np.int32(n))
-    else:
-      self._s = jit_run_for_slots(step, self.target, self.proposer, self._grammars.union, self._s, idx_A, np.int32(n))
+    self._s = jit_run_for(step, self.target, self.proposer, self._grammars.union, self._s, np.int32(n),
+                          None if len(idx_A) == len(self._slots) else idx_A)
     gained, steps = self._collect()
     now = time.perf_counter()
     if self.policy is not None and steps and programs_built() == traces:  # else it built a program
@@ -345,10 +342,10 @@ class Engine:
       max_new_A[i] = r.max_new_tokens
       if r.grammar is not None:
         gstart_A[i] = self._grammars.start(r.grammar)
-    self._s = jit_prefill_slots(self._paging_for(idx_A, lens_A), self.target, self.proposer, self._grammars.union,
-                                self._s, idx_A, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A,
-                                slot_settings(admitted, a, vocab_size=self.target.cfg.vocab_size,
-                                              max_drafts=self.max_drafts, seed=self.defaults.seed))
+    self._s = jit_prefill(self._paging_for(idx_A, lens_A), self.target, self.proposer, self._grammars.union,
+                          self._s, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A,
+                          slot_settings(admitted, a, vocab_size=self.target.cfg.vocab_size, max_drafts=self.max_drafts,
+                                        seed=self.defaults.seed), idx_A)
 
   def _slot_group(self, slots: list[int]) -> np.ndarray:
     """int32[A]: slots, then others (free ones first, untouched by the call) up to a power of two
@@ -365,7 +362,7 @@ class Engine:
   def _paging_for(self, idx_A, num_new_A) -> DecodeStep:
     """The width-free step for a call adding num_new_A rows to the slots idx_A: it reads their pages
     only, the span of the longest (a prefill reads its prompts' pages, not a running request's)."""
-    need = int(jit_span_needed_on(self._base, self._s, idx_A, np.asarray(num_new_A, np.int32)))
+    need = int(jit_span_needed(self._base, self._s, np.asarray(num_new_A, np.int32), idx_A))
     span = budget_bucket(need, self.max_len // self.page_size, minimum=2)
     return DecodeStep(self._base.settings.with_budget(self.num_pages, span))
 
@@ -397,7 +394,8 @@ class Engine:
     s = self._s
     # The next step's page need comes in the same read: freeing slots only lowers it.
     num_out, out, done, oom, verify_calls, read_at, self._next_span = jax.device_get(
-        (s.num_out, s.out, s.done, s.out_of_pages, s.verify_calls, jnp.stack([s.accepted_at, s.proposed_at]),
+        (s.num_out, s.out, s.done, s.out_of_pages, s.counts.verify_calls,
+         jnp.stack([s.counts.accepted_at, s.counts.proposed_at]),
          jit_span_needed(self._base, s, self._step.rows_next(s) * self.steps_per_call)))
     self._next_span = int(self._next_span)
     new_accepted_at, new_proposed_at = read_at.astype(np.int64) - self._read_at

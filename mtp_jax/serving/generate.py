@@ -210,17 +210,18 @@ def _output(s: LoopState, k: int) -> GenerateOutput:
   num_out, out = np.asarray(s.num_out), np.asarray(s.out)
   tokens = [out[i, :num_out[i]].tolist() for i in range(len(num_out))]
   generated = int(num_out.sum())
-  verify_calls = int(np.asarray(s.verify_calls).sum())
+  counts = jax.device_get(s.counts)
+  verify_calls = int(counts.verify_calls.sum())
   prefill_tokens = len(tokens)
   stats = dict(
       generated_tokens=generated,
-      target_calls=int(np.asarray(s.target_calls).sum()),
+      target_calls=int(counts.target_calls.sum()),
       verify_calls=verify_calls,
-      accepted_tokens=int(np.asarray(s.accepted).sum()),
-      target_tokens=int(np.asarray(s.target_tokens).sum()),
+      accepted_tokens=int(counts.accepted.sum()),
+      target_tokens=int(counts.target_tokens.sum()),
       mean_accepted_length=(generated - prefill_tokens) / verify_calls if verify_calls else float("nan"),
       acceptance_per_position=[int(c) / verify_calls if verify_calls else float("nan")
-                               for c in np.asarray(s.accepted_at)[:k]],
+                               for c in counts.accepted_at[:k]],
       out_of_pages=np.flatnonzero(np.asarray(s.out_of_pages)).tolist(),
   )
   return GenerateOutput(tokens=tokens, stats=stats)

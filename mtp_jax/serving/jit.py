@@ -19,15 +19,8 @@ from mtp_jax.serving.step import DecodeStep
 
 @functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
 def jit_prefill(step: DecodeStep, target, proposer, grammar, s: LoopState, prompts_BxT, lens_B, admit_B,
-                gstart_B, max_new_B, slots: SlotSettings) -> LoopState:
-  return step.prefill(target, proposer, grammar, s, prompts_BxT, lens_B, admit_B, gstart_B, max_new_B, slots)
-
-
-@functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
-def jit_prefill_slots(step: DecodeStep, target, proposer, grammar, s: LoopState, idx_A, prompts_AxT, lens_A, admit_A,
-                      gstart_A, max_new_A, slots: SlotSettings) -> LoopState:
-  return step.prefill_slots(target, proposer, grammar, s, idx_A, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A,
-                            slots)
+                gstart_B, max_new_B, slots: SlotSettings, idx_A=None) -> LoopState:
+  return step.prefill(target, proposer, grammar, s, prompts_BxT, lens_B, admit_B, gstart_B, max_new_B, slots, idx_A)
 
 
 @functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
@@ -47,13 +40,8 @@ def jit_run(step: DecodeStep, target, proposer, grammar, s: LoopState) -> LoopSt
 
 
 @functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
-def jit_run_for(step: DecodeStep, target, proposer, grammar, s: LoopState, max_steps) -> LoopState:
-  return step.run_for(target, proposer, grammar, s, max_steps)
-
-
-@functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
-def jit_run_for_slots(step: DecodeStep, target, proposer, grammar, s: LoopState, idx_A, max_steps) -> LoopState:
-  return step.run_for_slots(target, proposer, grammar, s, idx_A, max_steps)
+def jit_run_for(step: DecodeStep, target, proposer, grammar, s: LoopState, max_steps, idx_A=None) -> LoopState:
+  return step.run_for(target, proposer, grammar, s, max_steps, idx_A)
 
 
 @functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
@@ -72,13 +60,8 @@ def jit_pages_needed(step: DecodeStep, s: LoopState, num_new_B) -> jax.Array:
 
 
 @functools.partial(jax.jit, static_argnames=("step",))
-def jit_span_needed(step: DecodeStep, s: LoopState, num_new_B) -> jax.Array:
-  return step.span_needed(s, num_new_B)
-
-
-@functools.partial(jax.jit, static_argnames=("step",))
-def jit_span_needed_on(step: DecodeStep, s: LoopState, idx_A, num_new_A) -> jax.Array:
-  return step.span_needed_on(s, idx_A, num_new_A)
+def jit_span_needed(step: DecodeStep, s: LoopState, num_new_B, idx_A=None) -> jax.Array:
+  return step.span_needed(s, num_new_B, idx_A)
 
 
 @functools.partial(jax.jit, static_argnames=("step", "batch_size"))

@@ -62,18 +62,57 @@ class SlotSettings:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class StepCounts:
+  """What the steps counted, on device: per slot target_calls, verify_calls, accepted (emitted
+  drafts) and target_tokens (emitted target tokens), int32[B]; per draft position, over all
+  slots, accepted_at (steps whose draft i was accepted) and proposed_at (steps whose draft i was
+  verified), int32[k]. Read by the hosts' metrics, never by the step's decisions."""
+
+  target_calls: jax.Array = axes("batch")
+  verify_calls: jax.Array = axes("batch")
+  accepted: jax.Array = axes("batch")
+  target_tokens: jax.Array = axes("batch")
+  accepted_at: jax.Array = axes(None)
+  proposed_at: jax.Array = axes(None)
+
+  @classmethod
+  def zeros(cls, batch_size: int, num_drafts: int) -> "StepCounts":
+    b, k = batch_size, num_drafts
+    return cls(*(jnp.zeros((b,), jnp.int32) for _ in range(4)), jnp.zeros((k,), jnp.int32),
+               jnp.zeros((k,), jnp.int32))
+
+  def admitted(self, admit_B) -> "StepCounts":
+    """The admitted slots' counts (bool[B]) restarted, their prefill counted as one target call
+    that emitted one target token."""
+    one = admit_B.astype(jnp.int32)
+    zero = lambda x: jnp.where(admit_B, 0, x)
+    return dataclasses.replace(self, target_calls=zero(self.target_calls) + one, verify_calls=zero(self.verify_calls),
+                               accepted=zero(self.accepted), target_tokens=zero(self.target_tokens) + one)
+
+  def verified(self, active_B, accepted_B, emitted_B, verified_B) -> "StepCounts":
+    """After a verify step over the active slots (bool[B]) that accepted accepted_B drafts,
+    emitted emitted_B tokens (the emission may stop short at an end token or the token limit) and
+    verified verified_B drafts (int32[B] each)."""
+    k = self.accepted_at.shape[0]
+    per_position = lambda n_B: jnp.sum(active_B[:, None] & (jnp.arange(k)[None] < jnp.reshape(n_B, (-1, 1))), axis=0)
+    return StepCounts(target_calls=self.target_calls + active_B, verify_calls=self.verify_calls + active_B,
+                      accepted=self.accepted + jnp.minimum(accepted_B, emitted_B),
+                      target_tokens=self.target_tokens + (emitted_B == accepted_B + 1),
+                      accepted_at=self.accepted_at + per_position(accepted_B),
+                      proposed_at=self.proposed_at + per_position(verified_B))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class LoopState:
-  """Everything a step carries; all arrays per sequence slot (B) unless noted.
+  """Everything a step carries: the models' state and outputs, each slot's settings, the counts.
 
   target, proposer: the models' states (proposer None without drafts); last int32[B];
   drafts int32[B, k] or a tree's int32[B, N]; grammar_state int32[B] after the emitted tokens
   (None without a grammar); out int32[B, W] emitted tokens, num_out int32[B] (also the output
   position of the next token, which keys its draw); done bool[B] (free slots are done);
-  max_new int32[B]: the slot's token limit; target_calls, verify_calls, accepted (emitted
-  drafts), target_tokens (emitted target tokens): int32[B]; accepted_at int32[k]: steps whose
-  draft i was accepted, proposed_at int32[k]: steps whose draft i was verified (all slots);
-  tree_probs float32[B, M, V]: a tree's draft distributions under rejection sampling, else None;
-  slots: `SlotSettings`.
+  max_new int32[B]: the slot's token limit; slots: `SlotSettings`; counts: `StepCounts`;
+  tree_probs float32[B, M, V]: a tree's draft distributions under rejection sampling, else None.
   """
 
   target: TargetState
@@ -85,13 +124,8 @@ class LoopState:
   num_out: jax.Array = axes("batch")
   done: jax.Array = axes("batch")
   max_new: jax.Array = axes("batch")
-  target_calls: jax.Array = axes("batch")
-  verify_calls: jax.Array = axes("batch")
-  accepted: jax.Array = axes("batch")
-  target_tokens: jax.Array = axes("batch")
-  accepted_at: jax.Array = axes(None)
-  proposed_at: jax.Array = axes(None)
   slots: SlotSettings
+  counts: StepCounts
   tree_probs: jax.Array | None = axes("batch", None, "vocab", default=None)
 
   def set(self, **changes) -> "LoopState":

@@ -27,12 +27,12 @@ path), the state then advances over the accepted drafts and the next token, and 
 drafts from it. All of it runs on device.
 
 `prefill` admits prompts into chosen slots of a state (all of them for `generate`); the other
-slots pass through untouched. The Engine admits through `prefill_slots` (the admitted slots only
-are computed) and writes long prompts in parts with `prefill_part`. `generate` and the Engine
-are drivers over these functions, through their jitted entry points in serving/jit.py
-(`jit_prefill`, `jit_prefill_slots`, `jit_prefill_part`, `jit_step`, `jit_run`, `jit_run_for`,
-`jit_run_for_slots`). A call over some slots reads a page
-span sized for theirs (`span_needed_on`).
+slots pass through untouched; with `idx_A` only the admitted slots are computed (the Engine's
+admissions), and `run_for` likewise decodes a group of slots. `prefill_part` writes a long
+prompt in parts. `generate` and the Engine are drivers over these functions, through their
+jitted entry points in serving/jit.py, one per job (`jit_prefill`, `jit_prefill_part`,
+`jit_step`, `jit_run`, `jit_run_for`, `jit_free`; the slot group is an argument, not a variant).
+A call over some slots reads a page span sized for theirs (`span_needed(..., idx_A)`).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from mtp_jax.blocks import Pages
 from mtp_jax.blocks.axes import put_slots, take_slots
 from mtp_jax.serving.options import Paging, StepSettings
 from mtp_jax.serving.parts import Drafter, Verifier, draw_tokens, pick_verifier
-from mtp_jax.serving.state import LoopState, SlotSettings
+from mtp_jax.serving.state import LoopState, SlotSettings, StepCounts
 from mtp_jax.target import compact_target, init_target_state, reset_target_slots, target_step, trim_target
 from mtp_jax.tree import node_states
 
@@ -105,9 +105,7 @@ class DecodeStep:
     s = LoopState(target=tstate, proposer=pstate, last=zeros(), drafts=jnp.zeros((b, n_drafts), jnp.int32),
                   grammar_state=None if grammar is None else jnp.full((b,), grammar_lib.FREE, jnp.int32),
                   out=jnp.zeros((b, self.out_width()), jnp.int32), num_out=zeros(), done=jnp.ones((b,), bool),
-                  max_new=zeros(), target_calls=zeros(), verify_calls=zeros(), accepted=zeros(),
-                  target_tokens=zeros(), accepted_at=jnp.zeros((k,), jnp.int32),
-                  proposed_at=jnp.zeros((k,), jnp.int32), slots=SlotSettings.free(b), tree_probs=tree_probs)
+                  max_new=zeros(), slots=SlotSettings.free(b), counts=StepCounts.zeros(b, k), tree_probs=tree_probs)
     return self.placed(s)
 
   @property
@@ -147,9 +145,13 @@ class DecodeStep:
     need = s.target.pages_needed(num_new_B)
     return need if s.proposer is None else jnp.maximum(need, s.proposer.pages_needed(num_new_B))
 
-  def span_needed(self, s: LoopState, num_new_B) -> jax.Array:
+  def span_needed(self, s: LoopState, num_new_B, idx_A=None) -> jax.Array:
     """int32[]: the most pages one slot holds, in either pool, after a call adding num_new_B
-    (int32[B]) rows per slot: the page span it needs."""
+    (int32[B]) rows per slot: the page span it needs. idx_A: None (every slot), or int32[A]
+    distinct slots alone (num_new_B read as A): the span of a call over those slots, which reads
+    their pages only."""
+    if idx_A is not None:
+      s = self._take(s, idx_A)
     need = s.target.span_needed(num_new_B)
     return need if s.proposer is None else jnp.maximum(need, s.proposer.span_needed(num_new_B))
 
@@ -182,19 +184,27 @@ class DecodeStep:
     return s.set(out=out, num_out=num_out, done=done), n
 
   def prefill(self, target, proposer, grammar, s: LoopState, prompts_BxT, lens_B, admit_B, gstart_B,
-              max_new_B, slots: SlotSettings) -> LoopState:
+              max_new_B, slots: SlotSettings, idx_A=None) -> LoopState:
     """Admits prompts_BxT (int32[B, T], lens_B int32[B] long) into the slots where admit_B (bool[B]):
     writes their prompt rows, emits their first token (from grammar state gstart_B, int32[B]:
     grammar.FREE decodes free of it) and drafts, and stops each after max_new_B (int32[B],
     <= settings.max_new_tokens) tokens, with the admitted slots' settings `slots` (SlotSettings:
     rows where admit_B are read). The other slots' rows, drafts, grammar states, settings and
-    counters are unchanged."""
+    counters are unchanged.
+
+    idx_A: None (every slot), or int32[A] distinct slots: then the per-slot arguments are the A
+    slots' (B read as A), in idx_A's order, and only they are computed (a prefill over all B slots
+    costs B x T rows of the target for the few admitted). A slot whose earlier prompt parts
+    `prefill_part` wrote gets its last part here: its rows continue after them. Not on a mesh
+    (A need not divide the data axis)."""
+    if idx_A is not None:
+      return self._on_slots(s, idx_A, lambda sub: self.prefill(
+          target, proposer, grammar, sub, prompts_BxT, lens_B, admit_B, gstart_B, max_new_B, slots))
     b = admit_B.shape[0]
     zero = lambda x: jnp.where(admit_B, 0, x)
     one = admit_B.astype(jnp.int32)
     s = s.set(num_out=zero(s.num_out), done=s.done & ~admit_B, max_new=jnp.where(admit_B, max_new_B, s.max_new),
-              target_calls=zero(s.target_calls) + one, verify_calls=zero(s.verify_calls), accepted=zero(s.accepted),
-              target_tokens=zero(s.target_tokens) + one, slots=slots.where(admit_B, s.slots))
+              counts=s.counts.admitted(admit_B), slots=slots.where(admit_B, s.slots))
     logits, hid, tstate = target_step(target, s.target, prompts_BxT, jnp.where(admit_B, lens_B, 0))
     gstate_B = s.grammar_state
     if grammar is not None:
@@ -225,22 +235,11 @@ class DecodeStep:
               tree_probs=None if s.tree_probs is None else keep(tree_probs, s.tree_probs))
     return self._stop_out_of_pages(s)
 
-  def prefill_slots(self, target, proposer, grammar, s: LoopState, idx_A, prompts_AxT, lens_A, admit_A, gstart_A,
-                    max_new_A, slots: SlotSettings) -> LoopState:
-    """`prefill` over the A slots idx_A (int32[A], distinct) only: the admitted ones are those of
-    idx_A where admit_A (bool[A]); prompts_AxT, lens_A, gstart_A, max_new_A and slots are theirs,
-    in idx_A's order. The rows of the other B - A slots are not computed (a prefill over all B
-    slots costs B x T rows of the target for the few admitted). A slot whose earlier prompt parts
-    `prefill_part` wrote gets its last part here: its rows continue after them. Not on a mesh
-    (A need not divide the data axis)."""
-    return self._on_slots(s, idx_A, lambda sub: self.prefill(
-        target, proposer, grammar, sub, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A, slots))
-
   def prefill_part(self, target, proposer, grammar, s: LoopState, slot_1, prompt_1xT, len_1, next_1xT) -> LoopState:
     """Writes one part of a prompt, not its last, into slot slot_1 (int32[1]): prompt_1xT (int32[1, T],
     len_1 (int32[1]) tokens of it) continue the slot's target and proposer rows; next_1xT holds
     the token after each (the prompt shifted by one). Nothing is emitted or drawn: the slot stays
-    done (not decoding) until `prefill_slots` admits the prompt's last part. Only that slot is
+    done (not decoding) until `prefill` admits the prompt's last part. Only that slot is
     computed, so a long prompt costs the running requests one part per call, not the whole."""
     def part(sub: LoopState) -> LoopState:
       _, hid, tstate = target_step(target, sub.target, prompt_1xT, len_1)
@@ -253,20 +252,6 @@ class DecodeStep:
       return sub.set(proposer=pstate)
     return self._on_slots(s, slot_1, part)
 
-  def span_needed_on(self, s: LoopState, idx_A, num_new_A) -> jax.Array:
-    """int32[]: `span_needed` of the A slots idx_A (int32[A], distinct) alone, after adding num_new_A
-    (int32[A]) rows to each: the page span of a call over those slots (`prefill_slots`,
-    `prefill_part`, `run_for_slots`), which reads their pages only."""
-    return self.span_needed(self._take(s, idx_A), num_new_A)
-
-  def run_for_slots(self, target, proposer, grammar, s: LoopState, idx_A, max_steps) -> LoopState:
-    """`run_for` over the A slots idx_A (int32[A], distinct) only; the others are not computed. The
-    Engine passes its running slots (padded to a power of two with idle ones), so a step over a
-    few running requests costs a few slots' rows, not all B (the page pools are shared, so only
-    the per-slot arrays are gathered and put back)."""
-    return self._on_slots(s, idx_A,
-                          lambda sub: self.run_for(target, proposer, grammar, sub, max_steps))
-
   def _take(self, s: LoopState, idx_A) -> LoopState:
     """The A-slot state of slots idx_A (the slot axes each state field declares), reading this
     step's page budget and span."""
@@ -275,7 +260,7 @@ class DecodeStep:
   def _on_slots(self, s: LoopState, idx_A, fn) -> LoopState:
     """fn applied to the A-slot state of slots idx_A (int32[A], distinct), its slots put back.
     The A slots' calls read this step's page budget and span (sized for their pages by the
-    caller, with `span_needed_on`); the whole state keeps its own."""
+    caller, with `span_needed`); the whole state keeps its own."""
     return put_slots(s, self._budgeted(fn(self._take(s, idx_A)), s.target.pages), idx_A)
 
   @staticmethod
@@ -330,13 +315,8 @@ class DecodeStep:
     s2, n_B = self._emit(s, new_BxK1, a_B + 1, active_B)
     # The target keeps its rows for [last, d_1..d_a]; the rest were rejected.
     tstate = trim_target(tstate, old_len + jnp.where(active_B, a_B + 1, 0))
-    verified_B = jnp.minimum(slots.num_drafts, k)
-    per_position = lambda n_B: jnp.sum(active_B[:, None] & (jnp.arange(k)[None] < jnp.reshape(n_B, (-1, 1))), axis=0)
     s2 = s2.set(target=tstate, last=jnp.where(active_B, next_B, s.last),
-                target_calls=s.target_calls + active_B, verify_calls=s.verify_calls + active_B,
-                accepted=s.accepted + jnp.minimum(a_B, n_B), target_tokens=s.target_tokens + (n_B == a_B + 1),
-                accepted_at=s.accepted_at.at[:k].add(per_position(a_B)),
-                proposed_at=s.proposed_at.at[:k].add(per_position(verified_B)))
+                counts=s.counts.verified(active_B, a_B, n_B, jnp.minimum(slots.num_drafts, k)))
     if grammar is not None:
       after_drafts_B = jnp.take_along_axis(gstates_BxR, a_B[:, None], axis=1)[:, 0]
       s2 = s2.set(grammar_state=jnp.where(active_B, grammar_lib.advance(grammar, after_drafts_B, next_B),
@@ -356,11 +336,18 @@ class DecodeStep:
     return jax.lax.while_loop(lambda s: ~jnp.all(s.done) & self.fits(s),
                               lambda s: self(target, proposer, grammar, s), s)
 
-  def run_for(self, target, proposer, grammar, s: LoopState, max_steps) -> LoopState:
+  def run_for(self, target, proposer, grammar, s: LoopState, max_steps, idx_A=None) -> LoopState:
     """Up to max_steps (int32[], a value: one compile for every count) steps on device, ending
     after the step in which a slot finishes (its slot can then be refilled) or before one that
     would not fit: a serving loop's host round trip per call instead of per step. The steps read
-    this step's page budget and span; the state keeps its own."""
+    this step's page budget and span; the state keeps its own.
+
+    idx_A: None (every slot), or int32[A] distinct slots: only they are computed. The Engine
+    passes its running slots (padded to a power of two with idle ones), so a step over a few
+    running requests costs a few slots' rows, not all B (the page pools are shared, so only the
+    per-slot arrays are gathered and put back)."""
+    if idx_A is not None:
+      return self._on_slots(s, idx_A, lambda sub: self.run_for(target, proposer, grammar, sub, max_steps))
     running_B = ~s.done
     stored = s.target.pages  # the state's own paging, given back at the end (see `_on_slots`)
     s = self._budgeted(s, self.settings.paging)
