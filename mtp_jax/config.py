@@ -105,6 +105,9 @@ def _as(cls, value):
   return cls(**value) if isinstance(value, dict) else value
 
 
+EXPERT_ACTIVATIONS = ("swiglu", "relu2")  # MoeConfig.expert_activation, blocks/mlp.py and blocks/moe.py
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MoeConfig:
   """A mixture-of-experts FFN (DeepSeek-V3 / GLM-4.5 / Qwen3-Next); see blocks/moe.py.
@@ -120,6 +123,10 @@ class MoeConfig:
   n_shared_experts: 0, or shared experts run on every token as one SwiGLU of width
     shared_expert_intermediate_size (default moe_intermediate_size * n_shared_experts).
   shared_expert_gate: multiply the shared output by sigmoid(x @ w) (Qwen).
+  expert_activation: "swiglu", down(silu(gate(x)) * up(x)) (DeepSeek, Qwen, GLM), or "relu2", the
+    non-gated down(relu(up(x))^2) with no gate_proj, for the routed and the shared experts (Nemotron-H).
+  latent_size: None, or the routed experts run in this width between fc1_latent_proj (D -> latent)
+    and fc2_latent_proj (latent -> D); the router and the shared experts read x itself (Nemotron-H).
   first_k_dense_replace: target layers below this index keep the dense MLP; MTP modules are
     always MoE (transformers' get_mtp_config sets it to 0).
   """
@@ -136,6 +143,8 @@ class MoeConfig:
   n_shared_experts: int = 0
   shared_expert_intermediate_size: int | None = None
   shared_expert_gate: bool = False
+  expert_activation: str = "swiglu"
+  latent_size: int | None = None
   first_k_dense_replace: int = 0
 
   def __post_init__(self):
@@ -147,6 +156,9 @@ class MoeConfig:
         reals=dict(routed_scaling_factor=(0.0, None, True)),
         flags=("e_score_correction_bias", "norm_topk_prob", "shared_expert_gate"))
     validate.one_of(f"{name}.scoring", self.scoring, ("softmax", "sigmoid"))
+    validate.one_of(f"{name}.expert_activation", self.expert_activation, EXPERT_ACTIVATIONS)
+    if self.latent_size is not None:
+      validate.positive_int(f"{name}.latent_size", self.latent_size)
     if self.num_experts % self.n_group:
       raise bad("n_group", f"({self.n_group}) must divide num_experts ({self.num_experts})")
     if self.n_group > 1 and self.num_experts // self.n_group < 2:
@@ -188,6 +200,7 @@ class BlockConfig:
   norm_unit_offset: bool = False  # RMSNorms scale by (1 + weight), weight starting at 0 (Qwen3-Next)
   attention_gate: bool = False  # q_proj gives per head [q | gate]; out * sigmoid(gate) (Qwen3-Next)
   rope_interleave: bool = False  # rotate pairs (0, 1), (2, 3), ... (DeepSeek) instead of halves
+  use_rope: bool = True  # False: GQA attention with no rotary embedding (Nemotron-H's NoPE attention layers)
   partial_rotary_factor: float = 1.0  # rotate only the first int(head_dim * factor) dims
   rope_scaling: RopeScaling | None = None
   mla: MlaConfig | None = None  # MLA attention instead of GQA (num_kv_heads, head_dim unused)
@@ -239,6 +252,8 @@ class BlockConfig:
                                  "attention_value_scale") if getattr(self, n)]
       if self.partial_rotary_factor != 1.0:
         unsupported.append("partial_rotary_factor")
+      if not self.use_rope:
+        unsupported.append("use_rope=False")
       if unsupported:
         raise validate.InvalidValue(f"{cls}.mla", f"{cls}: {', '.join(unsupported)} cannot be combined with mla")
     validate.float_dtype(f"{cls}.dtype", self.dtype)

@@ -4,6 +4,10 @@ layout, written here, and its MTP chain equals a reference wired as the serving 
 - ExaONE-MoE: vLLM 0.34 model_executor/models/exaone_moe_mtp.py (ExaoneMoeMultiTokenPredictor.forward)
   and exaone_moe.py (ExaoneMoeDecoderLayer / ExaoneMoeAttention with is_mtp), SGLang 0.5.23
   srt/models/exaone_moe_mtp.py; the layer from transformers 5.25's ExaoneMoe modules (see ExaoneRefMtp).
+- Nemotron-H: vLLM 0.34 model_executor/models/nemotron_h_mtp.py and SGLang 0.5.23
+  srt/models/nemotron_h_mtp.py; the mixers from transformers 5.25's NemotronH modules (see NemotronRefMtp).
+- Families refused by name (Gemma 4 assistants, DeepSeek-V4, Step-3.5, Bailing): each loader names
+  the model_type and the reason.
 """
 
 import json
@@ -12,11 +16,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from transformers import ExaoneMoeConfig
+from flax import nnx
+from transformers import ExaoneMoeConfig, NemotronHConfig
 from transformers.models.exaone_moe import modeling_exaone_moe as exaone
+from transformers.models.nemotron_h import modeling_nemotron_h as nemotron
 
 import mtp_jax
 from mtp_jax import layouts
+from mtp_jax.blocks.moe import PATHS, Moe
 from mtp_jax.checkpoint import save_tensors
 from mtp_jax.pretrained import load_mtp
 
@@ -231,3 +238,121 @@ def test_refused_families_name_the_model_type_and_reason(tmp_path, model_type, n
     layouts.config_from_hf(hf)
   with pytest.raises(NotImplementedError, match=f"'{model_type}' has no target.*{target_why}"):
     mtp_jax.load_target(tmp_path)
+
+
+# Nemotron-H ------------------------------------------------------------------------------------------
+
+NH_DEPTHS = 2  # depth 2 reuses the one released step
+
+
+class NemotronRefMtp(torch.nn.Module):
+  """Nemotron-H's MTP step as vLLM's nemotron_h_mtp.py wires it (NemotronHMTPAttentionDecoderLayer, then
+  NemotronHMTPMoEDecoderLayer): eh_proj(concat(enorm(e), hnorm(h))) (embedding first, no position-0
+  mask), norm -> attention -> residual, norm -> MoE -> residual, final_layernorm, handed on and scored
+  by the target's lm_head. The mixers are transformers' NemotronHAttention (no rotary embedding) and
+  NemotronHMoE (sigmoid routing with the correction bias and groups, squared-ReLU experts between the
+  latent projections, a squared-ReLU shared expert); every norm NemotronHRMSNorm."""
+
+  def __init__(self, config):
+    super().__init__()
+    norm = lambda: nemotron.NemotronHRMSNorm(D, eps=config.layer_norm_epsilon)
+    self.enorm, self.hnorm, self.attn_norm, self.moe_norm, self.final_layernorm = (norm() for _ in range(5))
+    self.eh_proj = torch.nn.Linear(2 * D, D, bias=False)
+    self.attn = nemotron.NemotronHAttention(config, 1)
+    self.moe = nemotron.NemotronHMoE(config)
+
+  def released(self):
+    """name -> tensor as released: the attention layer at mtp.layers.0, the MoE layer at mtp.layers.1
+    (experts one tensor each, torch [out, in])."""
+    names = {"enorm": "mtp.layers.0.enorm", "hnorm": "mtp.layers.0.hnorm", "eh_proj": "mtp.layers.0.eh_proj",
+             "attn_norm": "mtp.layers.0.norm", "attn": "mtp.layers.0.mixer", "moe_norm": "mtp.layers.1.norm",
+             "moe": "mtp.layers.1.mixer", "final_layernorm": "mtp.layers.1.final_layernorm"}
+    out = {}
+    for n, p in list(self.named_parameters()) + list(self.named_buffers()):
+      head, rest = n.split(".", 1)
+      p = p.detach().numpy()
+      if rest in ("experts.up_proj", "experts.down_proj"):
+        for e, w in enumerate(p):
+          out[f"{names[head]}.experts.{e}.{rest.split('.')[1]}.weight"] = w
+      else:
+        out[f"{names[head]}.{rest}"] = p
+    return out
+
+  def forward(self, emb, h, positions):
+    """emb, h: float32[1, T, D]; positions: int[1, T] (unused: NoPE); returns the normed hidden."""
+    x = self.eh_proj(torch.cat([self.enorm(emb), self.hnorm(h)], -1))
+    t = x.shape[1]
+    mask = torch.full((t, t), float("-inf")).triu(1)[None, None]
+    x = x + self.attn(self.attn_norm(x), attention_mask=mask)[0]
+    x = x + self.moe(self.moe_norm(x))
+    return self.final_layernorm(x)
+
+
+def nemotron_dir(path, latent: int | None = 16):
+  """A tiny Nemotron-H directory as released (MTP at mtp.layers.{0,1}, the embedding at
+  backbone.embeddings); returns (reference step, embed, lm_head)."""
+  config = NemotronHConfig(vocab_size=V, hidden_size=D, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                           n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=16,
+                           moe_shared_expert_intermediate_size=24, n_shared_experts=1, moe_latent_size=latent,
+                           n_group=2, topk_group=1, routed_scaling_factor=2.0, num_nextn_predict_layers=1,
+                           layers_block_type=["mamba", "attention", "moe"], mamba_num_heads=4, mamba_head_dim=8,
+                           ssm_state_size=8, n_groups=1, eos_token_id=2, pad_token_id=0, bos_token_id=1)
+  config._attn_implementation = "eager"
+  ref = NemotronRefMtp(config).eval()
+  init_all(ref, 20)
+  with torch.no_grad():  # a buffer transformers leaves at zero: set, so the choice differs from the weights
+    ref.moe.gate.e_score_correction_bias.copy_(0.3 * torch.randn(8, generator=torch.Generator().manual_seed(21)))
+  embed, lm_head = head_and_embed(22)
+  save_tensors(path / "model.safetensors", ref.released() | {
+      "backbone.embeddings.weight": embed, "lm_head.weight": lm_head, "backbone.norm_f.weight": np.ones(D, np.float32)})
+  hf = json.loads(config.to_json_string()) | {"mtp_hybrid_override_pattern": "*E"}  # as vLLM reads released configs
+  (path / "config.json").write_text(json.dumps(hf))
+  return ref, embed, lm_head
+
+
+@pytest.mark.parametrize("latent", [16, None])
+def test_nemotron_h_mtp_equals_engine_reference(tmp_path, latent):
+  """MTP only (the hybrid Mamba target is refused by name): the caller hands in the target's hidden."""
+  ref, embed, lm_head = nemotron_dir(tmp_path, latent)
+  with pytest.raises(NotImplementedError, match="'nemotron_h' has no target.*Mamba-2"):
+    mtp_jax.load_target(tmp_path)
+  proposer = load_mtp(tmp_path, dtype="float32", max_depth=NH_DEPTHS)
+  cfg = proposer.cfg
+  assert (cfg.use_rope, cfg.num_modules, cfg.rms_norm_eps) == (False, 1, 1e-5)
+  assert (cfg.moe.expert_activation, cfg.moe.latent_size, cfg.moe.shared_width, cfg.moe.n_group) == ("relu2", latent,
+                                                                                                       24, 2)
+  assert {k: getattr(cfg, k) for k in layouts.conventions("nemotron_h")} == layouts.conventions("nemotron_h")
+  rng = np.random.default_rng(23)
+  n = 9
+  toks = rng.integers(0, V, (1, n + NH_DEPTHS))
+  hidden = rng.standard_normal((1, n, D)).astype(np.float32)
+  check_chain_and_drafts(proposer, [ref], hidden, toks, embed, lm_head, NH_DEPTHS)
+
+
+def test_nemotron_h_refusals():
+  hf = {"model_type": "nemotron_h", "vocab_size": V, "hidden_size": D, "num_attention_heads": 4, "head_dim": 8,
+        "intermediate_size": 48,
+        "n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8,
+        "moe_shared_expert_intermediate_size": 8, "num_nextn_predict_layers": 1}
+  assert layouts.config_from_hf(hf).moe.expert_activation == "relu2"
+  for extra, match in [({"mtp_hybrid_override_pattern": "*E*E"}, "pattern '\\*E\\*E'"),
+                       ({"mlp_hidden_act": "silu"}, "mlp_hidden_act 'silu'"), ({"mlp_bias": True}, "mlp_bias")]:
+    with pytest.raises(ValueError, match=match):
+      layouts.config_from_hf(hf | extra)
+
+
+@pytest.mark.parametrize("latent", [12, None])
+def test_relu2_experts_agree_on_every_path(latent):
+  """Nemotron-H's non-gated squared-ReLU experts (and latent projections) give the same output on the
+  gather, grouped and dense paths, and hold no gate_proj."""
+  moe = mtp_jax.config.MoeConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=16, scoring="sigmoid",
+                                 e_score_correction_bias=True, n_shared_experts=1, expert_activation="relu2",
+                                 latent_size=latent)
+  cfg = mtp_jax.config.BlockConfig(hidden_size=D, num_heads=4, num_kv_heads=2, head_dim=8, intermediate_size=48,
+                                   moe=moe)
+  block = Moe(cfg, rngs=nnx.Rngs(0))
+  assert block.experts.gate_proj is None and block.shared_experts.gate_proj is None
+  x = jnp.asarray(np.random.default_rng(24).standard_normal((2, 5, D)), jnp.float32)
+  outs = [np.asarray(block(x, path)) for path in PATHS]
+  for out in outs[1:]:
+    np.testing.assert_allclose(out, outs[0], rtol=1e-5, atol=1e-5)

@@ -38,6 +38,7 @@ class Attention(nnx.Module):
     self.num_heads, self.num_kv_heads, self.head_dim, self.value_dim = h, hkv, dh, dv
     self.value_scale = cfg.attention_value_scale
     self.gated, self.window, self.interleave = cfg.attention_gate, cfg.sliding_window, cfg.rope_interleave
+    self.use_rope = cfg.use_rope
     inv_freq, self.rope_factor = inv_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
     self.inv_freq = tuple(inv_freq.tolist())  # static module data, not a param
 
@@ -65,8 +66,9 @@ class Attention(nnx.Module):
     k = self.k_proj(x_BxTxD).reshape(b, t, hkv, dh)
     if self.q_norm is not None:
       q, k = self.q_norm(q), self.k_norm(k)
-    q, k = (apply_rope(a, pos_BxT, self.inv_freq, interleave=self.interleave,
-                       attention_factor=self.rope_factor) for a in (q, k))
+    if self.use_rope:  # Nemotron-H's attention layers carry no position encoding (NoPE)
+      q, k = (apply_rope(a, pos_BxT, self.inv_freq, interleave=self.interleave,
+                         attention_factor=self.rope_factor) for a in (q, k))
     v = self.v_proj(x_BxTxD).reshape(b, t, hkv, dv)
     if self.value_scale is not None:  # before the cache write, as vLLM / SGLang scale v (cached values scaled)
       v = v * jnp.asarray(self.value_scale, v.dtype)

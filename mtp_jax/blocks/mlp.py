@@ -1,22 +1,36 @@
-"""The dense SwiGLU feed-forward layer."""
+"""The dense feed-forward layer: SwiGLU, or Nemotron-H's non-gated squared ReLU."""
 
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.blocks.linear import Linear
 from mtp_jax.config import BlockConfig
 
 
-class Mlp(nnx.Module):
-  """down(silu(gate(x)) * up(x)); width F = intermediate_size (default cfg.intermediate_size)."""
+def activate(up, gate, activation: str):
+  """The experts' and MLPs' hidden from the up (and gate) projections: silu(gate) * up for "swiglu",
+  relu(up)^2 for "relu2" (gate None); same shape and dtype as up."""
+  if activation == "relu2":
+    return jnp.square(jax.nn.relu(up))
+  return jax.nn.silu(gate) * up
 
-  def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs, intermediate_size: int | None = None):
+
+class Mlp(nnx.Module):
+  """down(silu(gate(x)) * up(x)), or with activation "relu2" down(relu(up(x))^2) and no gate_proj;
+  width F = intermediate_size (default cfg.intermediate_size)."""
+
+  def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs, intermediate_size: int | None = None,
+               activation: str = "swiglu"):
     d, f, dt = cfg.hidden_size, intermediate_size or cfg.intermediate_size, cfg.jnp_dtype
-    self.gate_proj = Linear(d, f, axes=("mlp", "embed"), dtype=dt, rngs=rngs)
+    self.activation = activation
+    self.gate_proj = Linear(d, f, axes=("mlp", "embed"), dtype=dt, rngs=rngs) if activation == "swiglu" else None
     self.up_proj = Linear(d, f, axes=("mlp", "embed"), dtype=dt, rngs=rngs)
     self.down_proj = Linear(f, d, axes=("embed", "mlp"), dtype=dt, rngs=rngs)
 
   def __call__(self, x_BxTxD):
-    return self.down_proj(jax.nn.silu(self.gate_proj(x_BxTxD)) * self.up_proj(x_BxTxD))
+    """dtype[B, T, D] -> dtype[B, T, D]."""
+    gate = None if self.gate_proj is None else self.gate_proj(x_BxTxD)
+    return self.down_proj(activate(self.up_proj(x_BxTxD), gate, self.activation))

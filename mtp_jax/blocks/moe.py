@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.blocks.linear import Linear, normal, param, weight_of
-from mtp_jax.blocks.mlp import Mlp
+from mtp_jax.blocks.mlp import Mlp, activate
 from mtp_jax.config import BlockConfig, MoeConfig
 
 PATHS = ("gather", "grouped", "dense")
@@ -77,7 +77,8 @@ class Router(nnx.Module):
 
 class Experts(nnx.Module):
   """E SwiGLU experts in stacked (input, output) layout for ragged_dot:
-  gate_proj, up_proj dtype[E, D, Fe]; down_proj dtype[E, Fe, D].
+  gate_proj, up_proj dtype[E, D, Fe]; down_proj dtype[E, Fe, D]. With cfg.expert_activation "relu2"
+  no gate_proj (down(relu(up(x))^2)); with cfg.latent_size the experts' D is that width.
 
   Released checkpoints store expert e as mlp.experts.{e}.{gate,up,down}_proj.weight in the
   torch [out, in] layout; layouts.py stacks (and transposes) them into these on load.
@@ -86,8 +87,10 @@ class Experts(nnx.Module):
   """
 
   def __init__(self, cfg: MoeConfig, hidden_size: int, dtype, *, rngs: nnx.Rngs):
-    e, d, f = cfg.num_experts, hidden_size, cfg.moe_intermediate_size
-    self.gate_proj = param(normal(rngs, (e, d, f), d**-0.5, dtype), ("experts", "embed", "expert_mlp"))
+    e, d, f = cfg.num_experts, cfg.latent_size or hidden_size, cfg.moe_intermediate_size
+    self.activation = cfg.expert_activation
+    self.gate_proj = (param(normal(rngs, (e, d, f), d**-0.5, dtype), ("experts", "embed", "expert_mlp"))
+                      if self.activation == "swiglu" else None)
     self.up_proj = param(normal(rngs, (e, d, f), d**-0.5, dtype), ("experts", "embed", "expert_mlp"))
     self.down_proj = param(normal(rngs, (e, f, d), f**-0.5, dtype), ("experts", "expert_mlp", "embed"))
     self.fp8 = None
@@ -97,27 +100,30 @@ class Experts(nnx.Module):
   def __call__(self, x_NxD, weights_NxK, experts_NxK, path: str):
     """sum_k weights[n, k] * expert_{experts[n, k]}(x[n]): dtype[N, D], via `path` (see PATHS)."""
     n, k = experts_NxK.shape
+    gated = self.gate_proj is not None
     if path == "gather":
-      g = jnp.einsum("nd,nkdf->nkf", x_NxD, weight_of(self, "gate_proj", experts_NxK))
+      g = jnp.einsum("nd,nkdf->nkf", x_NxD, weight_of(self, "gate_proj", experts_NxK)) if gated else None
       u = jnp.einsum("nd,nkdf->nkf", x_NxD, weight_of(self, "up_proj", experts_NxK))
-      y_NxKxD = jnp.einsum("nkf,nkfd->nkd", jax.nn.silu(g) * u, weight_of(self, "down_proj", experts_NxK))
+      y_NxKxD = jnp.einsum("nkf,nkfd->nkd", activate(u, g, self.activation), weight_of(self, "down_proj", experts_NxK))
       out = jnp.einsum("nk,nkd->nd", weights_NxK, y_NxKxD.astype(jnp.float32))
       return out.astype(x_NxD.dtype)
-    wg, wu, wd = weight_of(self, "gate_proj"), weight_of(self, "up_proj"), weight_of(self, "down_proj")
+    wg = weight_of(self, "gate_proj") if gated else None
+    wu, wd = weight_of(self, "up_proj"), weight_of(self, "down_proj")
     if path == "grouped":
       order_M = jnp.argsort(experts_NxK.reshape(-1), stable=True)  # M = N * K pairs, by expert
       rows_M = order_M // k
-      sizes_E = jnp.bincount(experts_NxK.reshape(-1), length=wg.shape[0]).astype(jnp.int32)
+      sizes_E = jnp.bincount(experts_NxK.reshape(-1), length=wu.shape[0]).astype(jnp.int32)
       x_MxD = x_NxD[rows_M]
-      h_MxF = (jax.nn.silu(jax.lax.ragged_dot(x_MxD, wg, sizes_E))
-               * jax.lax.ragged_dot(x_MxD, wu, sizes_E))
+      h_MxF = activate(jax.lax.ragged_dot(x_MxD, wu, sizes_E),
+                       jax.lax.ragged_dot(x_MxD, wg, sizes_E) if gated else None, self.activation)
       y_MxD = jax.lax.ragged_dot(h_MxF, wd, sizes_E).astype(jnp.float32)
       y_MxD = y_MxD * weights_NxK.reshape(-1)[order_M][:, None]
       out = jnp.zeros((n, x_NxD.shape[1]), jnp.float32).at[rows_M].add(y_MxD)
     elif path == "dense":
-      combine_NxE = jnp.zeros((n, wg.shape[0]), jnp.float32).at[jnp.arange(n)[:, None], experts_NxK].add(
+      combine_NxE = jnp.zeros((n, wu.shape[0]), jnp.float32).at[jnp.arange(n)[:, None], experts_NxK].add(
           weights_NxK)
-      h = jax.nn.silu(jnp.einsum("nd,edf->nef", x_NxD, wg)) * jnp.einsum("nd,edf->nef", x_NxD, wu)
+      h = activate(jnp.einsum("nd,edf->nef", x_NxD, wu),
+                   jnp.einsum("nd,edf->nef", x_NxD, wg) if gated else None, self.activation)
       out = jnp.einsum("ne,ned->nd", combine_NxE, jnp.einsum("nef,efd->ned", h, wd).astype(jnp.float32))
     else:
       raise ValueError(f"path must be one of {PATHS}, got {path!r}")
@@ -127,18 +133,23 @@ class Experts(nnx.Module):
 class Moe(nnx.Module):
   """Routed experts plus shared experts: mlp.gate, mlp.experts, and mlp.shared_experts
   (DeepSeek-V3 / GLM-4.5) or mlp.shared_expert with mlp.shared_expert_gate (Qwen), as the
-  released checkpoints name them."""
+  released checkpoints name them; with moe.latent_size the routed experts sit between
+  mlp.fc1_latent_proj and mlp.fc2_latent_proj (Nemotron-H)."""
 
   def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs):
     moe, d = cfg.moe, cfg.hidden_size
     self.cfg = moe
     self.gate = Router(moe, d, rngs=rngs)
     self.experts = Experts(moe, d, cfg.jnp_dtype, rngs=rngs)
+    if moe.latent_size is not None:
+      self.fc1_latent_proj = Linear(d, moe.latent_size, axes=(None, "embed"), dtype=cfg.jnp_dtype, rngs=rngs)
+      self.fc2_latent_proj = Linear(moe.latent_size, d, axes=("embed", None), dtype=cfg.jnp_dtype, rngs=rngs)
+    shared = lambda: Mlp(cfg, rngs=rngs, intermediate_size=moe.shared_width, activation=moe.expert_activation)
     if moe.shared_expert_gate:
-      self.shared_expert = Mlp(cfg, rngs=rngs, intermediate_size=moe.shared_width)
+      self.shared_expert = shared()
       self.shared_expert_gate = Linear(d, 1, axes=(None, "embed"), dtype=cfg.jnp_dtype, rngs=rngs)
     elif moe.n_shared_experts:
-      self.shared_experts = Mlp(cfg, rngs=rngs, intermediate_size=moe.shared_width)
+      self.shared_experts = shared()
 
   def __call__(self, x_BxTxD: jax.Array, path: str | None = None) -> jax.Array:
     """dtype[B, T, D] -> dtype[B, T, D]; path: one of PATHS, or None to pick by row count."""
@@ -147,7 +158,11 @@ class Moe(nnx.Module):
     if path is None:
       path = "gather" if b * t * self.cfg.num_experts_per_tok <= self.cfg.num_experts else "grouped"
     weights_NxK, experts_NxK = self.gate(x_NxD)
-    out = self.experts(x_NxD, weights_NxK, experts_NxK, path).reshape(b, t, d)
+    if self.cfg.latent_size is None:
+      out = self.experts(x_NxD, weights_NxK, experts_NxK, path).reshape(b, t, d)
+    else:
+      latent_NxL = self.fc1_latent_proj(x_NxD)
+      out = self.fc2_latent_proj(self.experts(latent_NxL, weights_NxK, experts_NxK, path)).reshape(b, t, d)
     if self.cfg.shared_expert_gate:
       out = out + jax.nn.sigmoid(self.shared_expert_gate(x_BxTxD)) * self.shared_expert(x_BxTxD)
     elif self.cfg.n_shared_experts:
