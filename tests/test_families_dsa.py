@@ -5,6 +5,8 @@ directories in the released layout, against transformers 5.25.0:
   the DeepseekV32Indexer's top-k mask) and transformers/models/glm_moe_dsa/modeling_glm_moe_dsa.py
   (GlmMoeDsaForCausalLM: the indexer's RoPE on pairs), logits and hidden; greedy speculative decoding
   (contiguous and paged caches) equals their greedy `generate`.
+- the attention layer alone against DeepseekV32Attention: prefill, and ragged chunks then decode
+  steps through the dense and the paged cache.
 - MTP: transformers builds no MtpModel for these two, so the reference wires each module as vLLM 0.34
   (models/deepseek_v32/nvidia/mtp.py) and SGLang 0.5.23 (srt/models/deepseek_nextn.py) do:
   eh_proj(concat(enorm(e), hnorm(h))), the transformers decoder layer of the family (its own indexer,
@@ -21,13 +23,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from block_refs import B, T, copy_into, full_rows, randomize, run_cached, torch_mask
+from flax import nnx
 from transformers import DeepseekV32Config, DeepseekV32ForCausalLM, GlmMoeDsaConfig, GlmMoeDsaForCausalLM
-from transformers.models.deepseek_v32.modeling_deepseek_v32 import DeepseekV32DecoderLayer, DeepseekV32RMSNorm
-from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import GlmMoeDsaDecoderLayer
+from transformers.models.deepseek_v32 import modeling_deepseek_v32 as v32
+from transformers.models.glm_moe_dsa import modeling_glm_moe_dsa as glm5
 
 import mtp_jax
 from mtp_jax import layouts, validate
+from mtp_jax.blocks import DsaAttention, LayerCaches, init_cache
 from mtp_jax.checkpoint import save_tensors
+from mtp_jax.config import DsaConfig, MlaConfig
 from mtp_jax.pretrained import load_mtp
 
 N_LAYERS, K, V, TOPK = 2, 2, 64, 4
@@ -40,8 +46,8 @@ COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermedia
               index_topk=TOPK)
 YARN = {"rope_type": "yarn", "rope_theta": 500.0, "factor": 4.0, "original_max_position_embeddings": 64,
         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8}
-FAMILIES = {"deepseek_v32": (DeepseekV32Config, DeepseekV32ForCausalLM, DeepseekV32DecoderLayer, YARN),
-            "glm_moe_dsa": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM, GlmMoeDsaDecoderLayer,
+FAMILIES = {"deepseek_v32": (DeepseekV32Config, DeepseekV32ForCausalLM, v32.DeepseekV32DecoderLayer, YARN),
+            "glm_moe_dsa": (GlmMoeDsaConfig, GlmMoeDsaForCausalLM, glm5.GlmMoeDsaDecoderLayer,
                             {"rope_type": "default", "rope_theta": 500.0})}
 
 
@@ -83,10 +89,10 @@ class RefModule(torch.nn.Module):
   def __init__(self, config, layer_cls):
     super().__init__()
     d, eps = config.hidden_size, config.rms_norm_eps
-    self.enorm, self.hnorm = DeepseekV32RMSNorm(d, eps), DeepseekV32RMSNorm(d, eps)
+    self.enorm, self.hnorm = v32.DeepseekV32RMSNorm(d, eps), v32.DeepseekV32RMSNorm(d, eps)
     self.eh_proj = torch.nn.Linear(2 * d, d, bias=False)
     self.block = layer_cls(config, N_LAYERS - 1)  # the last target layer's index: a MoE FFN, its own indexer
-    self.head_norm = DeepseekV32RMSNorm(d, eps)
+    self.head_norm = v32.DeepseekV32RMSNorm(d, eps)
 
   def released(self, layer):
     """Its tensors under model.layers.{layer}. as released (block weights directly under the prefix)."""
@@ -155,7 +161,7 @@ def released(request, tmp_path_factory):
 
 def test_config_reads_the_indexer_and_the_chain(released):
   family, _, _, target, proposer, _ = released
-  want = mtp_jax.config.DsaConfig(index_n_heads=8, index_head_dim=8, index_topk=TOPK,
+  want = DsaConfig(index_n_heads=8, index_head_dim=8, index_topk=TOPK,
                                   rope_interleave=family == "glm_moe_dsa")
   assert target.cfg.dsa == proposer.cfg.dsa == want
   assert target.cfg.rope_interleave and target.cfg.mla.q_lora_rank == 24
@@ -243,3 +249,38 @@ def test_missing_indexer_key_is_named(released, tmp_path):
   bad = dict(hf, index_topk=4, index_head_dim=2)  # narrower than the 4 rotary dims
   with pytest.raises(validate.InvalidValue, match="index_head_dim"):
     layouts.config_from_hf(bad)
+
+
+def test_dsa_attention_prefill_cached_and_paged_equal_transformers():
+  """The attention layer alone (DeepseekV32Attention, eager, YaRN, its indexer keeping 3 of up to 7
+  keys): one prefill, then ragged prefill chunks and decode steps (block_refs.SCHEDULE) through a
+  DsaCache and through a PagedDsaCache of 4-row pages. GLM-5's layer differs only in the indexer's
+  RoPE, which the target test covers."""
+  config = DeepseekV32Config(**(COMMON | dict(index_topk=3)), rope_parameters=YARN)
+  config._attn_implementation = "eager"
+  ref, rotary = v32.DeepseekV32Attention(config, 0), v32.DeepseekV32RotaryEmbedding(config)
+  randomize(ref)
+  cfg = layouts.config_from_hf(json.loads(config.to_json_string()) | {"num_nextn_predict_layers": 1}).block_config()
+  assert cfg.dsa == DsaConfig(index_n_heads=8, index_head_dim=8, index_topk=3, rope_interleave=False)
+  assert cfg.mla == MlaConfig(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
+  attn = DsaAttention(cfg, rngs=nnx.Rngs(0))
+  copy_into(attn, ref)
+  x = np.random.default_rng(1).standard_normal((B, T, config.hidden_size)).astype(np.float32)
+  with torch.no_grad():
+    xt, pos = torch.from_numpy(x), torch.arange(T)[None].expand(B, T)
+    want = ref(xt, position_embeddings=rotary(xt, pos), attention_mask=torch_mask(T))[0].numpy()
+    ref.indexer.index_topk = T  # every key: the rows past the third differ
+    dense = ref(xt, position_embeddings=rotary(xt, pos), attention_mask=torch_mask(T))[0].numpy()
+  assert np.abs(dense - want)[:, 3:].min(axis=-1).max() > 0 and np.abs(dense - want).max() > 1e-2
+  got, _ = attn(jnp.asarray(x), *full_rows(B, T), None)
+  np.testing.assert_allclose(np.asarray(got), want, atol=2e-5, rtol=1e-4)
+  cached = run_cached(lambda x, r, v, c: attn(x, r, v, c), init_cache(cfg, B, T + 1), x)
+  np.testing.assert_allclose(cached, want, atol=2e-5, rtol=1e-4)
+
+  def paged_step(x, rows, valid, caches):
+    caches, (layer,) = caches.open(jnp.max(jnp.where(valid, rows + 1, 0), axis=1))
+    y, layer = attn(x, rows, valid, layer)
+    return y, caches.close([layer])
+
+  paged = run_cached(paged_step, LayerCaches.create(cfg, 1, B, 8, page_size=4, num_pages=4), x)
+  np.testing.assert_allclose(paged, want, atol=2e-5, rtol=1e-4)

@@ -27,7 +27,8 @@ def indexer_types(config: Mapping) -> list[str]:
   if pattern is not None:
     return [{"F": "full", "S": "shared"}.get(c, c) for c in pattern]
   freq, offset = max(config.get("index_topk_freq") or 1, 1), config.get("index_skip_topk_offset", 2)
-  return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(config["num_hidden_layers"])]
+  layers = range(config.get("num_hidden_layers") or 0)  # absent: pretrained names it after this check
+  return ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in layers]
 
 
 def full_indexers_only(config: Mapping) -> None:
