@@ -4,7 +4,7 @@ directories in the released layout, against transformers 5.25.0:
 - target: transformers/models/deepseek_v32/modeling_deepseek_v32.py (DeepseekV32ForCausalLM: MLA with
   the DeepseekV32Indexer's top-k mask) and transformers/models/glm_moe_dsa/modeling_glm_moe_dsa.py
   (GlmMoeDsaForCausalLM: the indexer's RoPE on pairs), logits and hidden; greedy speculative decoding
-  (contiguous and paged caches) equals their greedy `generate`.
+  (a draft tree on contiguous caches, a chain on paged ones) equals their greedy `generate`.
 - the attention layer alone against DeepseekV32Attention: prefill, and ragged chunks then decode
   steps through the dense and the paged cache.
 - MTP: transformers builds no MtpModel for these two, so the reference wires each module as vLLM 0.34
@@ -35,6 +35,7 @@ from mtp_jax.blocks import DsaAttention, LayerCaches, init_cache
 from mtp_jax.checkpoint import save_tensors
 from mtp_jax.config import DsaConfig, MlaConfig
 from mtp_jax.pretrained import load_mtp
+from mtp_jax.tree import TreeSpec
 
 N_LAYERS, K, V, TOPK = 2, 2, 64, 4
 COMMON = dict(vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
@@ -211,8 +212,9 @@ def test_mtp_chain_and_drafts_equal_engine_reference(released):
 
 
 def test_greedy_speculative_equals_transformers_generate(released):
-  """k = 3 (module 0 again at depth 3); DeepSeek-V3.2 on contiguous caches, GLM-5 on paged ones
-  (`PagedDsaCache`), one compile each."""
+  """One compile each: DeepSeek-V3.2 verifying a draft tree (widths 2, 2, 1: tree rows attend to the
+  prefix and their ancestors, the indexer choosing among those), GLM-5 a chain of k = 3 (module 0 again
+  at depth 3) on paged caches (`PagedDsaCache`)."""
   family, main, _, target, proposer, _ = released
   rng = np.random.default_rng(3)
   prompts = [list(rng.integers(0, V, 5)), list(rng.integers(0, V, 12))]
@@ -222,8 +224,8 @@ def test_greedy_speculative_equals_transformers_generate(released):
     with torch.no_grad():
       out = main.generate(torch.tensor([p]), max_new_tokens=new, do_sample=False, min_new_tokens=new)
     want.append(out[0, len(p):].tolist())
-  paging = dict(max_len=64, page_size=8) if family == "glm_moe_dsa" else {}
-  assert mtp_jax.generate(target, proposer, prompts, new, num_drafts=3, **paging).tokens == want
+  how = dict(max_len=64, page_size=8, num_drafts=3) if family == "glm_moe_dsa" else dict(tree=TreeSpec((2, 2, 1)))
+  assert mtp_jax.generate(target, proposer, prompts, new, **how).tokens == want
 
 
 def test_glm5_shared_top_k_target_is_refused_by_name_and_its_mtp_loads(released, tmp_path):
