@@ -81,7 +81,7 @@ class EngineThread:
         result, error = command(engine), None
       except Exception as e:  # handed to the caller, which answers with it
         result, error = None, e
-      loop.call_soon_threadsafe(_settle, future, result, error)
+      loop.call_soon_threadsafe(settle, future, result, error)
     self.post(run)
     return future
 
@@ -152,7 +152,8 @@ class EngineThread:
     self._sinks.clear()
 
 
-def _settle(future: asyncio.Future, result, error) -> None:
+def settle(future: asyncio.Future, result, error) -> None:
+  """Sets a future's result or exception (on its loop's thread), unless its waiter gave it up."""
   if future.cancelled():
     return
   if error is not None:

@@ -11,16 +11,16 @@
 
 The model served and its chat template: model.py. Endpoints: POST /v1/completions, POST
 /v1/chat/completions (models with a chat template), GET /v1/models, /health, /metrics (Prometheus
-text). Bad input gets HTTP 400 with an OpenAI-style error body naming the field; a full waiting
-queue gets 429; a client that disconnects has its request cancelled (slot and pages freed).
+text). Bad input gets HTTP 400 with an OpenAI-style error body naming the field, a body past the limit 413, a
+full waiting queue 429; a client that disconnects has its request cancelled (slot and pages freed).
 Needs the `serve` extra (starlette, uvicorn; jinja2 for model.py's chat templates); the base package imports none.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
-import functools
 import json
 import logging
 import signal
@@ -42,7 +42,7 @@ from mtp_jax import grammar as grammar_lib, validate
 from mtp_jax.serving.engine import Engine
 from mtp_jax.serving.engine_thread import EngineFailed, EngineThread, Update, warm_up
 from mtp_jax.serving.metrics import prometheus_text
-from mtp_jax.serving.model import ServedModel, chat_prompt
+from mtp_jax.serving.model import SchemaGrammars, ServedModel, chat_prompt, schema_text
 from mtp_jax.serving.requests import QueueFull
 from mtp_jax.serving.text import TextStream
 
@@ -127,10 +127,12 @@ class Completion:
 class Server:
   """The HTTP side: parses requests, hands them to the EngineThread, answers as the OpenAI API does."""
 
-  def __init__(self, worker: EngineThread, model: ServedModel):
+  def __init__(self, worker: EngineThread, model: ServedModel, *, max_body_bytes: int = 1 << 20,
+               grammar_timeout_s: float = 60.0):
     self.worker, self.model = worker, model
+    self.max_body_bytes = validate.positive_int("max_body_bytes", max_body_bytes)
+    self.grammars = SchemaGrammars(model, timeout_s=grammar_timeout_s)
     self.created = int(time.time())
-    self._grammar = functools.lru_cache(maxsize=32)(self._build_grammar)
 
   def app(self) -> Starlette:
     routes = [Route("/v1/completions", self.completions, methods=["POST"]),
@@ -198,9 +200,11 @@ class Server:
 
   async def _parse(self, request: HttpRequest, chat: bool) -> Completion:
     try:
-      body = json.loads(await request.body())
+      body = json.loads(await self._body(request))
     except (ValueError, UnicodeDecodeError) as e:
       raise ApiError(400, f"the request body is not valid JSON: {e}") from e
+    except RecursionError as e:  # json nests by recursion: "[[[[..." deeper than the interpreter's stack
+      raise ApiError(400, "the request body is not valid JSON: nested too deeply") from e
     if not isinstance(body, dict):
       raise ApiError(400, f"the request body must be a JSON object, got {type(body).__name__}")
     known = CHAT_FIELDS if chat else COMPLETION_FIELDS
@@ -232,11 +236,27 @@ class Server:
                        "stream_options")
       include_usage = validate.flag("stream_options.include_usage", options.get("include_usage", False))
     settings = {f: body[f] for f in SETTING_FIELDS if body.get(f) is not None}
-    schema = self._schema_text(body.get("response_format"))
+    schema = schema_text(self.model, body.get("response_format"))
     if schema is not None:
-      settings["grammar"] = await asyncio.to_thread(self._grammar, schema)
+      settings["grammar"] = await self.grammars.get(schema)
     return Completion(prompt=tuple(prompt), max_tokens=max_tokens, stop=_stop(body.get("stop")), stream=stream,
                       include_usage=include_usage, settings=RequestSettings(**settings), chat=chat)
+
+  async def _body(self, request: HttpRequest) -> bytes:
+    """The body, read no further than max_body_bytes (413 past them, declared or sent)."""
+    declared = request.headers.get("content-length", "")
+    parts, size = [], int(declared) if declared.isdigit() else 0
+    if size <= self.max_body_bytes:
+      size = 0
+      async for part in request.stream():
+        size += len(part)
+        if size > self.max_body_bytes:
+          break
+        parts.append(part)
+    if size > self.max_body_bytes:
+      raise ApiError(413, f"the request body is larger than this server takes ({self.max_body_bytes} bytes)",
+                     code="request_too_large")
+    return b"".join(parts)
 
   def _prompt(self, prompt) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
@@ -265,35 +285,6 @@ class Server:
     text = chat_prompt(self.model.chat_template, plain, bos_token=self.model.bos_token,
                        eos_token=self.model.eos_token)
     return self.model.encode(text, False)
-
-  def _schema_text(self, response_format) -> str | None:
-    """The JSON schema text a response_format asks for (None for plain text)."""
-    if response_format is None:
-      return None
-    kind = response_format.get("type") if isinstance(response_format, dict) else None
-    if kind == "text":
-      return None
-    if kind == "json_object":
-      schema = {"type": "object"}
-    elif kind == "json_schema":
-      spec = response_format.get("json_schema")
-      schema = spec.get("schema") if isinstance(spec, dict) else None
-      if not isinstance(schema, dict):
-        raise ApiError(400, "response_format json_schema needs {\"json_schema\": {\"schema\": {...}}}",
-                       "response_format")
-    else:
-      raise ApiError(400, "response_format must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
-                          "{\"type\": \"json_schema\", \"json_schema\": {\"schema\": ...}}", "response_format")
-    if self.model.vocab is None:
-      raise ApiError(400, "response_format needs the token byte strings of the vocabulary, which are read for the "
-                          "byte tokenizer only (not yet from tokenizer.json)", "response_format")
-    if self.model.eos_token_id is None:
-      raise ApiError(400, "response_format ends the text with EOS, and the server runs without one (--eos none)",
-                     "response_format")
-    return json.dumps(schema, sort_keys=True)
-
-  def _build_grammar(self, schema: str) -> grammar_lib.Grammar:
-    return grammar_lib.from_json_schema(schema, self.model.vocab, eos_token_id=self.model.eos_token_id)
 
   # -- answers --
 
@@ -337,8 +328,11 @@ class Server:
     if chat:
       yield chunk("", None, role=True)
     try:
-      async for piece, finish in run.pieces():
-        yield chunk(piece, finish)
+      # Closed here, not when collected: a client gone mid-stream closes this generator, and the
+      # request is cancelled in `pieces`'s finally (a cycle could hold it, and its pages, until a GC).
+      async with contextlib.aclosing(run.pieces()) as pieces:
+        async for piece, finish in pieces:
+          yield chunk(piece, finish)
     except EngineFailed as e:
       yield _sse(_error_body(ApiError(503, str(e), kind="server_error", code="engine_failed")))
       return
@@ -388,8 +382,9 @@ class _Run:
 
   async def text(self) -> tuple[str, str]:
     parts, finish = [], "length"
-    async for piece, finish in self.pieces():
-      parts.append(piece)
+    async with contextlib.aclosing(self.pieces()) as pieces:
+      async for piece, finish in pieces:
+        parts.append(piece)
     return "".join(parts), finish
 
   def usage(self) -> dict:
@@ -419,6 +414,12 @@ async def _disconnected(request: HttpRequest) -> None:
 # -- running --
 
 
+def max_body_bytes(max_len: int) -> int:
+  """The largest request body `serve` reads: 1 MiB, or 64 bytes per row of max_len (a prompt of
+  max_len tokens as ids or as escaped text) when that is more."""
+  return max(1 << 20, 64 * max_len)
+
+
 def serve(engine: Engine, model: ServedModel, *, host: str = "127.0.0.1", port: int = 8000, warmup: bool = True,
           shutdown_timeout: float = 5.0, log_level: str = "info") -> int:
   """Runs the server until SIGTERM or SIGINT; returns 0 after a graceful shutdown (in-flight requests
@@ -430,7 +431,7 @@ def serve(engine: Engine, model: ServedModel, *, host: str = "127.0.0.1", port: 
   if warmup:
     warm_up(engine, model)
   worker = EngineThread(engine)
-  app = Server(worker, model).app()
+  app = Server(worker, model, max_body_bytes=max_body_bytes(engine.max_len)).app()
   config = uvicorn.Config(app, log_level=log_level, access_log=False, lifespan="off",
                           timeout_graceful_shutdown=max(1, round(shutdown_timeout)))
   bound = sock.getsockname()[1]
