@@ -242,20 +242,28 @@ class _ScriptedWidths(DraftPolicy):
     return next(self.widths, K)
 
 
-def test_module_work_follows_the_width_and_outputs_stay_exact():
+@pytest.mark.parametrize("deferred_rows", [32, 3, 0])
+def test_module_work_follows_the_width_and_outputs_stay_exact(deferred_rows):
   """Under "auto" a call at width k < K drafts k (its deeper modules only catch up), so a width may
   follow any other: over a scripted history with long runs at 0 every greedy request equals
-  generate alone and the seeded sampled one plain sampling with its seed."""
+  generate alone and the seeded sampled one plain sampling with its seed. With deferred_rows a
+  step at width 0 runs no module: the rows wait and the modules catch up on them when drafts come
+  back (32: runs of at most 6 zeros never fill them) or they fill (3)."""
   script = [0] * 6 + [K, 1, 0, 0, 0, 2, K, K, 0, 1, 1, 0, 0, 0, 0, K] * 3
   engine = Engine(TARGET5, PROPOSER5, max_batch=3, max_len=64, page_size=2, num_pages=40,
-                  draft_policy=_ScriptedWidths(script), steps_per_call=1)
+                  draft_policy=_ScriptedWidths(script), steps_per_call=1, deferred_rows=deferred_rows)
   ids = [engine.add_request(p, 20) for p in ([1, 2, 3], [4, 0, 1])]
   sampled = engine.add_request([2, 2, 4, 1], 20, temperature=1.0, seed=5)
-  widths = []
+  widths, lags = [], []
   while engine.num_running or engine.num_waiting:
     engine.step()
     widths.append(engine.metrics()["verify_width"])
+    s = engine._s
+    lags.append(int(max(s.target.length - s.proposer.num_pos)))  # rows the modules have not consumed
   assert set(widths) == {0, 1, 2, K}
+  # Without deferral the modules consume every verified row at once; deferred, the rows of a run
+  # at width 0 wait (the longest run has 6), until deferred_rows of them fill and are consumed.
+  assert max(lags) == (0 if deferred_rows == 0 else min(6, deferred_rows - 1))
   for rid in ids:
     assert engine.requests[rid].tokens == _alone(tuple(engine.requests[rid].prompt))[:20]
   assert engine.requests[sampled].tokens == mtp_jax.generate(TARGET5, None, [[2, 2, 4, 1]], 20, temperature=1.0,

@@ -26,7 +26,8 @@ does not).
 Speculation adapts (`num_drafts="auto"`, `DraftPolicy`): before each call the engine picks how
 many drafts the target verifies from the running requests' count, the measured acceptance per
 draft position and the measured time of a step at each width; the modules draft that many and
-the deeper ones only catch up on the verified rows, so any width may follow any other.
+the deeper ones only catch up on the verified rows, so any width may follow any other; at width 0
+no module runs: the rows wait (`deferred_rows`) and the modules catch up on them in one call.
 
 Its parts: admission.py (the queue, page reservations, chunked prefill), policy.py (the width),
 grammars.py (the grammar union), metrics.py (`Tally`, the counters), calibrate.py.
@@ -106,7 +107,8 @@ class Engine:
     self._base = DecodeStep(StepSettings(
         num_drafts=d.num_drafts, max_new_tokens=max_len, max_len=max_len, sampled=d.relaxed is None,
         acceptance=d.acceptance, relaxed=d.relaxed, tree=cfg.tree, mesh=cfg.mesh,
-        paging=Paging(page_size, num_pages, num_pages)))
+        paging=Paging(page_size, num_pages, num_pages),
+        deferred_rows=validate.integer("deferred_rows", cfg.deferred_rows, 0) if auto else 0))
     self._step = self._base  # the decode step: its verify width and page span follow the load
     self.grammar = cfg.grammar
     self._grammar_eos = None if cfg.grammar is None else cfg.grammar.eos_token_id  # every grammar of the engine ends so

@@ -83,8 +83,10 @@ class StepSettings:
   relaxed: LOSSY relaxed acceptance (greedy only). tree: draft a `TreeSpec` instead of a chain.
   draft_masks: "per_position", "first" or "none" (see `generate`). mesh: place the states on a
   ("data", "model") mesh. verify_drafts: drafts the target verifies per step, 0..num_drafts
-  (default all): the proposer still drafts num_drafts, so the next call may verify any number
-  of them.
+  (default all); the proposer drafts that many and its deeper modules catch up, so the next
+  call may verify any number. deferred_rows: W > 0 (a chain): a step at width 0 runs no module
+  and keeps its verified row (`LoopState.deferred`); the modules catch up on the kept rows in
+  one call when drafts come back or W rows are kept. 0: every step hands the modules its rows.
   """
 
   num_drafts: int
@@ -98,6 +100,7 @@ class StepSettings:
   mesh: jax.sharding.Mesh | None = None
   paging: Paging | None = None
   verify_drafts: int | None = None
+  deferred_rows: int = 0
 
   def __post_init__(self):
     validate.one_of("acceptance", self.acceptance, ACCEPTANCES)
@@ -108,6 +111,10 @@ class StepSettings:
                                                    f"got {self.verify_drafts}")
     if self.verify_drafts is not None and self.tree is not None:
       raise validate.InvalidValue("verify_drafts", "a tree step verifies its whole tree")
+    validate.integer("deferred_rows", self.deferred_rows, 0)
+    if self.deferred_rows and (self.tree is not None or self.relaxed is not None or not self.num_drafts):
+      raise validate.InvalidValue("deferred_rows", "deferred_rows defers a chain's modules: it needs num_drafts > 0, "
+                                                   "no tree and no relaxed acceptance")
 
   @property
   def verify_width(self) -> int:
@@ -154,6 +161,9 @@ class EngineConfig:
   draft_policy: the `DraftPolicy` of num_drafts="auto" (None: a new one). Its step times belong
     to the models, batch size and machine, not to one engine: an engine built again on the same
     ones can take the first one's and skip measuring every width anew.
+  deferred_rows: under num_drafts="auto", a step at width 0 runs no module: the modules catch up
+    on up to this many verified rows per slot in one call, when drafts come back or the rows
+    fill (0: they run every step, over its row). Only "auto" engines defer.
   """
 
   max_batch: int = 8
@@ -175,6 +185,7 @@ class EngineConfig:
   steps_per_call: int = 4
   prefill_chunk: int | None = None
   draft_policy: DraftPolicy | None = None
+  deferred_rows: int = 32
 
   def replace(self, **changes) -> "EngineConfig":
     """This config with `changes` (its field names; another name is a TypeError naming it)."""

@@ -104,6 +104,58 @@ class StepCounts:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
+class Deferred:
+  """Verified positions the proposer has not consumed yet (StepSettings.deferred_rows = W).
+
+  A step at width 0 hands the modules nothing: it keeps its newly verified row here, and the
+  modules catch up on every kept row in one call, when drafts come back or the buffer fills, so
+  a run of W steps without drafts costs one K-module call over W rows instead of W calls over
+  one. hid dtype[B, W, D]: the target hiddens of those positions, in order; tok int32[B, W]: the
+  token after each; n int32[B]: rows kept per slot.
+  """
+
+  hid: jax.Array = axes("batch", None, "embed")
+  tok: jax.Array = axes("batch", None)
+  n: jax.Array = axes("batch")
+
+  @classmethod
+  def zeros(cls, batch_size: int, rows: int, hidden_size: int, dtype) -> "Deferred":
+    b = batch_size
+    return cls(jnp.zeros((b, rows, hidden_size), dtype), jnp.zeros((b, rows), jnp.int32), jnp.zeros((b,), jnp.int32))
+
+  @property
+  def full(self) -> jax.Array:
+    """bool[]: some slot holds W rows (the next row would not fit)."""
+    return jnp.any(self.n >= self.hid.shape[1])
+
+  def kept(self, hid_Bx1xD, tok_Bx1, num_new_B) -> "Deferred":
+    """These rows and each slot's new one (num_new_B int32[B], 0 or 1) after them."""
+    b, w = self.n.shape[0], self.hid.shape[1]
+    at_B = jnp.where(num_new_B > 0, self.n, w)  # index W is dropped: nothing wraps around
+    return Deferred(self.hid.at[jnp.arange(b), at_B].set(hid_Bx1xD[:, 0].astype(self.hid.dtype), mode="drop"),
+                    self.tok.at[jnp.arange(b), at_B].set(tok_Bx1[:, 0], mode="drop"), self.n + num_new_B)
+
+  def joined(self, hid_BxTxD, tok_BxT, num_new_B):
+    """(hiddens dtype[B, W + T, D], tokens int32[B, W + T], count int32[B]): each slot's kept rows,
+    then its num_new_B new ones, left-aligned, as `propose` takes them."""
+    w, t = self.hid.shape[1], hid_BxTxD.shape[1]
+    u_BxU = jnp.broadcast_to(jnp.arange(w + t, dtype=jnp.int32), (self.n.shape[0], w + t))
+    new_BxU = u_BxU >= self.n[:, None]
+    at_new, at_kept = jnp.clip(u_BxU - self.n[:, None], 0, t - 1), jnp.minimum(u_BxU, w - 1)
+    pick = lambda new, kept, idx_new, idx_kept: jnp.where(
+        new_BxU.reshape(new_BxU.shape + (1,) * (new.ndim - 2)),
+        jnp.take_along_axis(new, idx_new.reshape(idx_new.shape + (1,) * (new.ndim - 2)), axis=1),
+        jnp.take_along_axis(kept, idx_kept.reshape(idx_kept.shape + (1,) * (kept.ndim - 2)), axis=1))
+    return (pick(hid_BxTxD.astype(self.hid.dtype), self.hid, at_new, at_kept), pick(tok_BxT, self.tok, at_new, at_kept),
+            self.n + num_new_B)
+
+  def emptied(self, mask_B=None) -> "Deferred":
+    """No rows kept in the slots where mask_B (bool[B]; every slot when None)."""
+    return dataclasses.replace(self, n=jnp.zeros_like(self.n) if mask_B is None else jnp.where(mask_B, 0, self.n))
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
 class LoopState:
   """Everything a step carries: the models' state and outputs, each slot's settings, the counts.
 
@@ -112,7 +164,9 @@ class LoopState:
   (None without a grammar); out int32[B, W] emitted tokens, num_out int32[B] (also the output
   position of the next token, which keys its draw); done bool[B] (free slots are done);
   max_new int32[B]: the slot's token limit; slots: `SlotSettings`; counts: `StepCounts`;
-  tree_probs float32[B, M, V]: a tree's draft distributions under rejection sampling, else None.
+  tree_probs float32[B, M, V]: a tree's draft distributions under rejection sampling, else None;
+  deferred: `Deferred`, the verified rows the modules have yet to consume (None unless the step
+  defers: StepSettings.deferred_rows).
   """
 
   target: TargetState
@@ -127,6 +181,7 @@ class LoopState:
   slots: SlotSettings
   counts: StepCounts
   tree_probs: jax.Array | None = axes("batch", None, "vocab", default=None)
+  deferred: Deferred | None = None
 
   def set(self, **changes) -> "LoopState":
     return dataclasses.replace(self, **changes)

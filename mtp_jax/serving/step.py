@@ -50,7 +50,7 @@ from mtp_jax.blocks import Pages
 from mtp_jax.blocks.axes import put_slots, take_slots
 from mtp_jax.serving.options import Paging, StepSettings
 from mtp_jax.serving.parts import Drafter, Verifier, draw_tokens, pick_verifier
-from mtp_jax.serving.state import LoopState, SlotSettings, StepCounts
+from mtp_jax.serving.state import Deferred, LoopState, SlotSettings, StepCounts
 from mtp_jax.target import compact_target, init_target_state, reset_target_slots, target_step, trim_target
 from mtp_jax.tree import node_states
 
@@ -102,10 +102,14 @@ class DecodeStep:
     if st.tree is not None and self._keeps_probs:
       tree_probs = jnp.zeros((b, st.tree.starts[st.tree.depth], target.cfg.vocab_size), jnp.float32)
     n_drafts = k if st.tree is None else st.tree.num_nodes  # every draft, whatever a step verifies
+    deferred = None
+    if st.deferred_rows and proposer is not None:
+      deferred = Deferred.zeros(b, st.deferred_rows, target.cfg.hidden_size, target.cfg.jnp_dtype)
     s = LoopState(target=tstate, proposer=pstate, last=zeros(), drafts=jnp.zeros((b, n_drafts), jnp.int32),
                   grammar_state=None if grammar is None else jnp.full((b,), grammar_lib.FREE, jnp.int32),
                   out=jnp.zeros((b, self.out_width()), jnp.int32), num_out=zeros(), done=jnp.ones((b,), bool),
-                  max_new=zeros(), slots=SlotSettings.free(b), counts=StepCounts.zeros(b, k), tree_probs=tree_probs)
+                  max_new=zeros(), slots=SlotSettings.free(b), counts=StepCounts.zeros(b, k), tree_probs=tree_probs,
+                  deferred=deferred)
     return self.placed(s)
 
   @property
@@ -204,7 +208,8 @@ class DecodeStep:
     zero = lambda x: jnp.where(admit_B, 0, x)
     one = admit_B.astype(jnp.int32)
     s = s.set(num_out=zero(s.num_out), done=s.done & ~admit_B, max_new=jnp.where(admit_B, max_new_B, s.max_new),
-              counts=s.counts.admitted(admit_B), slots=slots.where(admit_B, s.slots))
+              counts=s.counts.admitted(admit_B), slots=slots.where(admit_B, s.slots),
+              deferred=None if s.deferred is None else s.deferred.emptied(admit_B))
     logits, hid, tstate = target_step(target, s.target, prompts_BxT, jnp.where(admit_B, lens_B, 0))
     gstate_B = s.grammar_state
     if grammar is not None:
@@ -325,10 +330,23 @@ class DecodeStep:
       return self._stop_out_of_pages(s2)
     pstate = prop.after_verify(s.proposer, a_B)
     num_new = jnp.where(s2.done, 0, a_B + 1)
-    drafts, tree_probs, pstate = self.drafter.draft(proposer, grammar, pstate, hid, new_BxK1, num_new,
-                                                    s2.grammar_state, s2.slots, s2.num_out)
+    draft = lambda pstate, hid, tokens, num_new: self.drafter.draft(proposer, grammar, pstate, hid, tokens, num_new,
+                                                                    s2.grammar_state, s2.slots, s2.num_out)
+    deferred = s.deferred
+    if deferred is None:
+      drafts, tree_probs, pstate = draft(pstate, hid, new_BxK1, num_new)
+    elif k == 0:  # no drafts: the row waits; the modules catch up on the kept rows once they fill
+      deferred = deferred.kept(hid, new_BxK1, num_new)
+      pstate, deferred = jax.lax.cond(deferred.full, lambda: (draft(pstate, deferred.hid, deferred.tok, deferred.n)[2],
+                                                              deferred.emptied()), lambda: (pstate, deferred))
+      drafts, tree_probs = jnp.zeros_like(s.drafts), None
+    else:  # drafts again: the modules read the kept rows before this step's, in the same call
+      drafts, tree_probs, pstate = jax.lax.cond(jnp.any(deferred.n > 0),
+                                                lambda: draft(pstate, *deferred.joined(hid, new_BxK1, num_new)),
+                                                lambda: draft(pstate, hid, new_BxK1, num_new))
+      deferred = deferred.emptied()
     tree_probs = None if s.tree_probs is None else tree_probs  # kept for rejection sampling only
-    return self._stop_out_of_pages(s2.set(proposer=pstate, drafts=drafts, tree_probs=tree_probs))
+    return self._stop_out_of_pages(s2.set(proposer=pstate, drafts=drafts, tree_probs=tree_probs, deferred=deferred))
 
   def run(self, target, proposer, grammar, s: LoopState) -> LoopState:
     """Steps until every slot is done or one would outgrow the caches or the page budget (then
@@ -361,5 +379,6 @@ class DecodeStep:
 
   def free(self, s: LoopState, mask_B) -> LoopState:
     """Empties the slots where mask_B (bool[B]): done, and their pages back to the pools."""
-    s = s.set(target=reset_target_slots(s.target, mask_B), done=s.done | mask_B)
+    s = s.set(target=reset_target_slots(s.target, mask_B), done=s.done | mask_B,
+              deferred=None if s.deferred is None else s.deferred.emptied(mask_B))
     return s if s.proposer is None else s.set(proposer=prop.reset_slots(s.proposer, mask_B))
