@@ -43,8 +43,7 @@ import mtp_jax  # noqa: E402
 from mtp_jax import data  # noqa: E402
 
 PROMPTS = ("def main(", "import os\n", "class Foo:\n    ", "for i in range(", "return self.", "# utils\n")
-SEEDED = PROMPTS[:2]
-TEMPERATURE = 0.8
+SEEDED, TEMPERATURE = PROMPTS[:2], 0.8
 SCHEMAS = ({"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
             "additionalProperties": False},
            {"type": "string", "enum": ["red", "green", "blue"]})
@@ -99,9 +98,8 @@ class Soak:
     None) with each seed, as `Engine` promises its seeded requests."""
     target, proposer, tok = mtp_jax.load_demo()
     longest = self.cfg.max_len - min(len(p) for p in PROMPTS) - self.rows
-    out = mtp_jax.generate(target, proposer, [tok.encode(p, bos=False) for p in PROMPTS], longest, num_drafts=3,
-                           eos_token_id=tok.eos_id)
-    self.greedy = dict(zip(PROMPTS, out.tokens))
+    self.greedy = dict(zip(PROMPTS, mtp_jax.generate(target, proposer, [tok.encode(p, bos=False) for p in PROMPTS],
+                                                     longest, num_drafts=3, eos_token_id=tok.eos_id).tokens))
     for p, seed in itertools.product(SEEDED, self.cfg.seeds):
       self.sampled[p, seed] = mtp_jax.generate(target, None, [tok.encode(p, bos=False)], self.cfg.max_tokens,
                                                temperature=TEMPERATURE, seed=seed, eos_token_id=tok.eos_id).tokens[0]
@@ -151,12 +149,10 @@ class Soak:
     if kind == "oversized":  # declared (refused unread) or sent (refused past the limit), in turn
       raw = b'{"prompt": "' + b"x" * (self.server.max_body + 1) + b'"}'
       return self.expect_error(kind, post(self.server, raw, chunked=i % 2 == 1), 413, None)
-    if kind == "too_long":
-      return self.expect_error(kind, post(self.server, {"prompt": "x" * (self.cfg.max_len + 1), "max_tokens": 1}),
-                               400, "prompt")
-    assert kind == "over_limit"
-    return self.expect_error(kind, post(self.server, {"prompt": prompt, "max_tokens": self.limit(prompt) + 1}),
-                             400, "prompt")
+    assert kind in ("too_long", "over_limit")  # past max_len by the prompt, or by max_tokens
+    body = {"prompt": "x" * (self.cfg.max_len + 1), "max_tokens": 1} if kind == "too_long" else {
+        "prompt": prompt, "max_tokens": self.limit(prompt) + 1}
+    return self.expect_error(kind, post(self.server, body), 400, "prompt")
 
   def check(self, kind: str, answer: Answer, problem: str | None) -> Outcome:
     if answer.status == 429 and kind != "disconnect":  # the queue was full (a burst): its body is checked
@@ -376,7 +372,7 @@ def run(cfg: SoakConfig, log=print) -> dict:
     pool = concurrent.futures.ThreadPoolExecutor(cfg.clients + 2 * (cfg.max_batch + cfg.max_waiting))
     warm = [o for done in pool.map(soak.one, range(len(KINDS))) for o in done]
     before = server.proc_status()
-    log(f"warm round done after {time.perf_counter() - t:.1f} s")
+    log(f"warm round done after {time.perf_counter() - t:.1f} s; load for {cfg.duration_s:g} s")
     outcomes: list[Outcome] = []
     counter, lock = itertools.count(len(KINDS)), threading.Lock()
     t0 = time.perf_counter()
@@ -384,9 +380,7 @@ def run(cfg: SoakConfig, log=print) -> dict:
 
     def client() -> None:
       while time.perf_counter() < deadline:
-        with lock:
-          i = next(counter)
-        done = soak.one(i)
+        done = soak.one(next(counter))  # itertools.count's next is atomic under the GIL
         with lock:
           outcomes.extend(done)
 
@@ -395,11 +389,12 @@ def run(cfg: SoakConfig, log=print) -> dict:
       while (now := time.perf_counter()) < deadline:
         time.sleep(min(cfg.burst_every_s, deadline - now))
         if time.perf_counter() < deadline:
-          outcomes += soak.burst(pool)
+          burst = soak.burst(pool)
+          with lock:
+            outcomes.extend(burst)
       for c in clients:
         c.result()
     wall = time.perf_counter() - t0
-    log(f"load done in {wall:.1f} s")
     drained, metrics, after = server.wait_idle(), server.metrics(), server.proc_status()
     exit_code, log_text = server.stop(), server.log()
   problems = [o.problem for o in warm + outcomes if o.problem]
