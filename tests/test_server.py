@@ -31,7 +31,7 @@ except ImportError:
 import mtp_jax
 from mtp_jax import data, validate
 from mtp_jax.serving import server as server_lib
-from mtp_jax.serving.engine import QueueFull
+from mtp_jax.serving import QueueFull
 from mtp_jax.serving.engine_thread import EngineFailed, Update
 from mtp_jax.serving.model import ServedModel, chat_prompt
 from mtp_jax.serving.text import TextStream
