@@ -228,10 +228,10 @@ def test_greedy_speculative_equals_transformers_generate(released):
   assert mtp_jax.generate(target, proposer, prompts, new, **how).tokens == want
 
 
+@pytest.mark.parametrize("released", ["glm_moe_dsa"], indirect=True)  # cross-layer top-k sharing is GLM-5's
 def test_glm5_shared_top_k_target_is_refused_by_name_and_its_mtp_loads(released, tmp_path):
   family, _, _, _, proposer, path = released
-  if family != "glm_moe_dsa":
-    pytest.skip("cross-layer top-k sharing is GLM-5's")
+  assert family == "glm_moe_dsa"
   for f in path.iterdir():
     (tmp_path / f.name).symlink_to(f)
   (tmp_path / "config.json").unlink()
