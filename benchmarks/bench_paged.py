@@ -4,7 +4,7 @@ Both layouts run the same `generate` step (target verify + accept + propose) fro
 prompts with mixed lengths. Contiguous caches hold B x max_len rows and every attention call
 reads all of them. The paged pool holds half of that (as a server sizes a pool for mixed
 lengths; more if the sequences need it) and attention reads the page budget: the pages the
-timed steps hold, rounded up to a bucket (`blocks.paged.budget_bucket`), as `generate` picks
+timed steps hold, rounded up to a bucket (`blocks.pages.budget_bucket`), as `generate` picks
 it. Bytes read are counted from the shapes attention gathers: per call, rows x Hkv x Dh x 2
 (k and v) x itemsize, over the target's layers and the k modules that draft. Before timing,
 the two layouts' emitted tokens must agree. Run: python benchmarks/bench_paged.py [--quick].
@@ -46,7 +46,7 @@ def _cache_bytes(s) -> int:
   return _bytes((s.target.kv, s.proposer.kv))
 
 
-def _run(target, proposer, prompts, settings, steps):
+def _run(target, proposer, prompts, settings, read, steps):
   """(per-step seconds, emitted tokens, their counts, cache bytes, target rows in use) over `steps` steps."""
   b = len(prompts)
   step = serving.DecodeStep(settings)
@@ -54,12 +54,12 @@ def _run(target, proposer, prompts, settings, steps):
   s = step.init(target, proposer, None, b)
   s = serving.jit_prefill(step, target, proposer, None, s, prompts_BxT, lens, np.ones(b, bool), np.zeros(b, bool),
                           np.full(b, settings.max_new_tokens, np.int32),
-                          serving.SlotSettings.uniform(b, num_drafts=settings.num_drafts))
-  s = jax.block_until_ready(serving.jit_step(step, target, proposer, None, s))  # compile
+                          serving.SlotSettings.uniform(b, num_drafts=settings.num_drafts), read=read)
+  s = jax.block_until_ready(serving.jit_step(step, target, proposer, None, s, read))  # compile
   times = []
   for _ in range(steps):
     t0 = time.perf_counter()
-    s = jax.block_until_ready(serving.jit_step(step, target, proposer, None, s))
+    s = jax.block_until_ready(serving.jit_step(step, target, proposer, None, s, read))
     times.append(time.perf_counter() - t0)
   return np.array(times), np.asarray(s.out), np.asarray(s.num_out), _cache_bytes(s), int(np.sum(s.target.length))
 
@@ -88,13 +88,14 @@ def main(argv=None) -> None:
     # Pages each sequence holds by the last timed step: its prompt + every step's k + 1 rows.
     need = int(sum(-(-(int(n) + (steps + 2) * (K + 1)) // ps) for n in lens))
     num_pages = max(b * (max_len // ps) // 2, need)
-    budget = mtp_jax.blocks.paged.budget_bucket(need, num_pages)
+    budget = mtp_jax.blocks.pages.budget_bucket(need, num_pages)
     settings = serving.StepSettings(num_drafts=K, max_new_tokens=max_len, max_len=max_len)
     outs, base = [], None
-    for layout, paging, rows in (("contiguous", None, b * max_len),
-                                 ("paged", serving.Paging(ps, num_pages, budget), budget * ps)):
+    for layout, paging, read, rows in (("contiguous", None, mtp_jax.blocks.PageRead(), b * max_len),
+                                       ("paged", serving.Paging(ps, num_pages), mtp_jax.blocks.PageRead(budget),
+                                        budget * ps)):
       times, out, num_out, cache_bytes, in_use = _run(target, proposer, prompts,
-                                                      dataclasses.replace(settings, paging=paging), steps)
+                                                      dataclasses.replace(settings, paging=paging), read, steps)
       outs.append((out, num_out))
       base = base or rows
       times = times * 1e3

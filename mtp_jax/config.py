@@ -127,6 +127,8 @@ class MoeConfig:
     non-gated down(relu(up(x))^2) with no gate_proj, for the routed and the shared experts (Nemotron-H).
   latent_size: None, or the routed experts run in this width between fc1_latent_proj (D -> latent)
     and fc2_latent_proj (latent -> D); the router and the shared experts read x itself (Nemotron-H).
+  swiglu_limit: None, or the routed experts' SwiGLU is clipped: silu(gate) <= limit, |up| <= limit
+    (Bailing / Ling; the shared experts' clip is BlockConfig.swiglu_limit).
   first_k_dense_replace: target layers below this index keep the dense MLP; MTP modules are
     always MoE (transformers' get_mtp_config sets it to 0).
   """
@@ -145,6 +147,7 @@ class MoeConfig:
   shared_expert_gate: bool = False
   expert_activation: str = "swiglu"
   latent_size: int | None = None
+  swiglu_limit: float | None = None
   first_k_dense_replace: int = 0
 
   def __post_init__(self):
@@ -159,6 +162,10 @@ class MoeConfig:
     validate.one_of(f"{name}.expert_activation", self.expert_activation, EXPERT_ACTIVATIONS)
     if self.latent_size is not None:
       validate.positive_int(f"{name}.latent_size", self.latent_size)
+    if self.swiglu_limit is not None:
+      validate.real(f"{name}.swiglu_limit", self.swiglu_limit, 0.0, lo_open=True)
+      if self.expert_activation != "swiglu":
+        raise bad("swiglu_limit", f"clips a SwiGLU; expert_activation is {self.expert_activation!r}")
     if self.num_experts % self.n_group:
       raise bad("n_group", f"({self.n_group}) must divide num_experts ({self.num_experts})")
     if self.n_group > 1 and self.num_experts // self.n_group < 2:
@@ -209,6 +216,8 @@ class BlockConfig:
   attention_sinks: bool = False  # a learned per-head logit in the softmax denominator (MiMo-V2-Flash)
   v_head_dim: int | None = None  # per-head value / attention-output width; None: head_dim (MiMo-V2-Flash 128 vs 192)
   attention_value_scale: float | None = None  # values (cached ones too) multiplied by it; None: 1 (MiMo-V2-Flash)
+  attention_head_gate: bool = False  # g_proj gives one logit per head; head h's output * sigmoid(g_h) (Step-3.5)
+  swiglu_limit: float | None = None  # dense / shared SwiGLU: silu(gate) <= limit, |up| <= limit (Step-3.5)
   dtype: str = "float32"  # weights, activations and KV caches
   moe: MoeConfig | None = None  # the FFN is a mixture of experts (see MoeConfig) instead of the dense MLP
 
@@ -217,7 +226,7 @@ class BlockConfig:
     validate.dataclass_fields(
         self, positive=("hidden_size", "num_heads", "num_kv_heads", "head_dim", "intermediate_size"),
         reals=dict(rms_norm_eps=(0.0, None, True), rope_theta=(0.0, None, True)),
-        flags=("attention_bias",), strings=("dtype",))
+        flags=("attention_bias", "attention_head_gate"), strings=("dtype",))
     if self.num_heads % self.num_kv_heads:
       raise validate.InvalidValue(
           f"{cls}.num_heads",
@@ -232,6 +241,8 @@ class BlockConfig:
       if self.dsa.index_head_dim < self.mla.qk_rope_head_dim:
         raise validate.InvalidValue(f"{cls}.dsa", f"{cls}.dsa.index_head_dim ({self.dsa.index_head_dim}) must "
                                     f"be >= mla.qk_rope_head_dim ({self.mla.qk_rope_head_dim}), the dims RoPE turns")
+      if self.attention_head_gate:  # DsaAttention attends without MLA's output gate
+        raise validate.InvalidValue(f"{cls}.dsa", f"{cls}: attention_head_gate cannot be combined with dsa")
     if not 0.0 < self.partial_rotary_factor <= 1.0:
       raise validate.InvalidValue(f"{cls}.partial_rotary_factor",
                                   f"{cls}.partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
@@ -247,6 +258,8 @@ class BlockConfig:
                                     f"({self.head_dim}) with attention_gate")
     if self.attention_value_scale is not None:
       validate.real(f"{cls}.attention_value_scale", self.attention_value_scale, 0.0, lo_open=True)
+    if self.swiglu_limit is not None:
+      validate.real(f"{cls}.swiglu_limit", self.swiglu_limit, 0.0, lo_open=True)
     if self.mla is not None:
       unsupported = [n for n in ("qk_norm", "attention_gate", "attention_out_bias", "attention_sinks", "v_head_dim",
                                  "attention_value_scale") if getattr(self, n)]
@@ -300,6 +313,8 @@ class MtpConfig(BlockConfig):
   max_depth: drafts a propose may make (default K); depths past K reuse a module's weights,
     each depth with a KV cache of its own.
   depth_reuse: which module depth i >= K runs: "cycle" (i mod K, vLLM's rule) or "last" (K - 1).
+  own_lm_head: each module scores with an LM head of its own (mtp.{i}.shared_head.head.weight,
+    Step-3.5) instead of the one lm_head the modules share with the target.
   """
 
   vocab_size: int
@@ -309,11 +324,12 @@ class MtpConfig(BlockConfig):
   mask_first_embedding: bool = False
   max_depth: int | None = None
   depth_reuse: str = "cycle"
+  own_lm_head: bool = False
 
   def __post_init__(self):
     super().__post_init__()
     validate.dataclass_fields(self, positive=("vocab_size", "num_modules"),
-                              flags=("pass_normed_hidden", "head_norm", "mask_first_embedding"))
+                              flags=("pass_normed_hidden", "head_norm", "mask_first_embedding", "own_lm_head"))
     if self.max_depth is not None:
       validate.positive_int("MtpConfig.max_depth", self.max_depth)
     if self.depth_reuse not in DEPTH_REUSE:

@@ -80,13 +80,16 @@ _OBJECTS = ("rope_scaling", "rope_parameters", "quantization_config")
 def text_fields(config: Mapping, file: str = "config.json") -> Mapping:
   """The language model's config: a multimodal config.json's text_config (Qwen3.5; vLLM reads it as
   hf_text_config) lifted over its top level, model_type kept from the top level (the family's);
-  configs without one unchanged."""
+  configs without one unchanged. Then, for a family with `Family.hf_view` (Step-3.5's per-layer
+  lists), the config as that view reads it."""
   text = config.get("text_config")
-  if text is None:
-    return config
-  if not isinstance(text, Mapping):
-    raise validate.InvalidType(f"{file}: text_config", f"{file}: text_config must be a JSON object, got {text!r:.60}")
-  return {**config, **text, "model_type": config.get("model_type")}
+  if text is not None:
+    if not isinstance(text, Mapping):
+      raise validate.InvalidType(f"{file}: text_config",
+                                 f"{file}: text_config must be a JSON object, got {text!r:.60}")
+    config = {**config, **text, "model_type": config.get("model_type")}
+  family = families.family_of(config)
+  return family.hf_view(config) if family is not None and family.hf_view is not None else config
 
 
 def check_hf_config(config: Mapping, file: str = "config.json") -> Mapping:
@@ -245,11 +248,14 @@ def refuse_mtp(config: Mapping) -> None:
                               f"load: {family.title}'s {family.mtp_refusal}")
 
 
-def config_from_hf(config: Mapping | str | os.PathLike, *, layout: str | None = None) -> MtpConfig:
+def config_from_hf(config: Mapping | str | os.PathLike, *, layout: str | None = None,
+                   names: Iterable[str] | None = None) -> MtpConfig:
   """An MtpConfig from an HF config.json (dict or path), or from one written by save_canonical.
 
   The chain conventions are the family's (`Family.conventions`, by model_type, else by `layout`);
-  a config of neither keeps MtpConfig's defaults. A family's `mtp_blocks` overrides block fields.
+  a config of neither keeps MtpConfig's defaults. A family's `mtp_blocks` overrides block fields,
+  and with `names` (the checkpoint's tensor names) its `mtp_tensors` those the tensors settle
+  (Bailing's MLA output gate); without names config.json's reading stands.
   Settings mtp_jax cannot honour (RoPE scaling other than YaRN, non-SiLU MLPs) raise ValueError.
   """
   config = _load_json(config)
@@ -263,6 +269,8 @@ def config_from_hf(config: Mapping | str | os.PathLike, *, layout: str | None = 
   blocks = block_kwargs_from_hf(config)
   if family is not None and family.mtp_blocks is not None:
     blocks |= family.mtp_blocks(config)
+  if names is not None and family is not None and family.mtp_tensors is not None:
+    blocks |= family.mtp_tensors(config, set(names))
   return MtpConfig(**blocks, vocab_size=config["vocab_size"], num_modules=num_modules,
                    **conventions(family_of(config, layout)))
 
@@ -295,7 +303,8 @@ def _plan(layout, cfg, names, first_layer, tied, family=None):
         name, transform = source(i, s)
         plan[f"mtp.{i}.{s}"] = ([name], transform, False)
   plan["embed_tokens.weight"] = (embed, None, False)
-  plan["lm_head.weight"] = (head, None, False)
+  if not cfg.own_lm_head:  # else each module's head is its mtp.{i}.shared_head.head.weight, planned above
+    plan["lm_head.weight"] = (head, None, False)
   return plan, where.prefixes
 
 
@@ -385,7 +394,7 @@ def read_mtp_checkpoint(path, *,
   refuse_mtp(hf)
   with CheckpointReader(path, fp8=fp8_from_hf(hf, file=config_path)) as reader:
     layout = layout or detect_layout(reader.keys())
-    cfg = config_from_hf(hf, layout=layout)
+    cfg = config_from_hf(hf, layout=layout, names=reader.keys())
     key = families.LAYOUTS[layout].first_layer_key
     first_layer = hf.get(key) if key else None
     return cfg, to_canonical(reader, layout, cfg, first_layer=first_layer,

@@ -3,7 +3,8 @@
 Depth m (0-based i = m - 1) runs module cfg.module_of(i); row j:
     x = eh_proj(concat(enorm(E[t_{j+m}]), hnorm(h^{m-1}_j)))   # E[t] zeroed at position 0 if configured
     h^m_j = Block(x)            # RoPE position j + m
-    logits^m_j = lm_head(shared_head_norm(h^m_j))              # no norm when cfg.head_norm is off
+    logits^m_j = lm_head(shared_head_norm(h^m_j))              # no norm when cfg.head_norm is off;
+                                                               # the module's own head with cfg.own_lm_head
     depth m + 1 reads shared_head_norm(h^m_j) or h^m_j        # cfg.pass_normed_hidden
 """
 
@@ -22,7 +23,8 @@ from mtp_jax.config import MtpConfig
 
 
 class MtpModule(nnx.Module):
-  """One MTP module: enorm / hnorm, eh_proj, a Block, the shared_head norm (when cfg.head_norm).
+  """One MTP module: enorm / hnorm, eh_proj, a Block, the shared_head norm (when cfg.head_norm) and,
+  with cfg.own_lm_head, its own LM head (shared_head_head, [V, D] as torch stores it).
 
   Each depth that runs it has a KV cache of its own (the proposer's state holds them).
   """
@@ -35,6 +37,8 @@ class MtpModule(nnx.Module):
     self.block = Block(cfg.block_config(), rngs=rngs)
     self.shared_head_norm = (RMSNorm(d, eps=eps, dtype=dt, unit_offset=cfg.norm_unit_offset, axis="embed")
                              if cfg.head_norm else None)
+    self.shared_head_head = (Linear(d, cfg.vocab_size, axes=("vocab", "embed"), dtype=dt, rngs=rngs)
+                             if cfg.own_lm_head else None)
 
   def __call__(self, emb_BxTxD, h_BxTxD, rows_BxT, valid_BxT, cache: LayerCache | None, rope_offset: int,
                tree: TreeRows | None = None):
@@ -44,7 +48,8 @@ class MtpModule(nnx.Module):
 
 
 class MtpModel(nnx.Module):
-  """K chained MTP modules plus the embedding and LM head they share with the target.
+  """K chained MTP modules plus the embedding and LM head they share with the target (no shared
+  LM head with cfg.own_lm_head: each module scores with its own).
 
   Pass it as `params` to `propose`; it is a pytree (an NNX module), so it goes through
   `jax.jit` as an argument and the config rides along as static data.
@@ -54,7 +59,8 @@ class MtpModel(nnx.Module):
     self.cfg = cfg
     self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype, rngs=rngs)
     self.layers = nnx.List([MtpModule(cfg, rngs=rngs) for _ in range(cfg.num_modules)])
-    self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, axes=("vocab", "embed"), dtype=cfg.jnp_dtype, rngs=rngs)
+    self.lm_head = (None if cfg.own_lm_head else
+                    Linear(cfg.hidden_size, cfg.vocab_size, axes=("vocab", "embed"), dtype=cfg.jnp_dtype, rngs=rngs))
 
   def module(self, i: int) -> MtpModule:
     """The module depth i runs (cfg.module_of(i))."""
@@ -81,8 +87,9 @@ class MtpModel(nnx.Module):
     return self._head_input(i, h_BxTxD) if self.cfg.pass_normed_hidden else h_BxTxD
 
   def logits(self, i: int, h_BxTxD: jax.Array) -> jax.Array:
-    """float32[..., V] logits of depth i from its hidden h^{i+1}."""
-    return self.lm_head(self._head_input(i, h_BxTxD)).astype(jnp.float32)
+    """float32[..., V] logits of depth i from its hidden h^{i+1} (dtype[..., D])."""
+    head = self.module(i).shared_head_head if self.cfg.own_lm_head else self.lm_head
+    return head(self._head_input(i, h_BxTxD)).astype(jnp.float32)
 
 
 def init_mtp(cfg: MtpConfig, seed: int = 0) -> MtpModel:
@@ -96,8 +103,8 @@ def canonical_name(name: str) -> str:
     return name
   _, i, rest = name.split(".", 2)
   rest = rest.removeprefix("block.")
-  if rest.startswith("shared_head_norm."):
-    rest = "shared_head.norm." + rest[len("shared_head_norm."):]
+  if rest.startswith(("shared_head_norm.", "shared_head_head.")):
+    rest = "shared_head." + rest[len("shared_head_"):]
   return f"mtp.{i}.{rest}"
 
 
@@ -140,7 +147,8 @@ def load_state_dict(cfg: MtpConfig, tensors: Mapping) -> MtpModel:
   Names: mtp.{i}.{enorm,hnorm}.weight [D], mtp.{i}.eh_proj.weight [D, 2D],
   mtp.{i}.input_layernorm.weight, mtp.{i}.self_attn.{q,k,v,o}_proj.weight (+ .bias for q, k, v
   when cfg.attention_bias), mtp.{i}.post_attention_layernorm.weight, mtp.{i}.mlp.{gate,up,down}_proj.weight,
-  mtp.{i}.shared_head.norm.weight (when cfg.head_norm), embed_tokens.weight [V, D], lm_head.weight [V, D].
+  mtp.{i}.shared_head.norm.weight (when cfg.head_norm), embed_tokens.weight [V, D], lm_head.weight [V, D]
+  (with cfg.own_lm_head none, and mtp.{i}.shared_head.head.weight [V, D] instead).
   """
   model = init_mtp(cfg)
   return assign_state_dict(model, param_names(model, canonical_name), tensors, "load_state_dict")

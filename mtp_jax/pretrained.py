@@ -250,7 +250,7 @@ def load_mtp(path, *, dtype=None, max_depth: int | None = None, allow_nonfinite:
   layouts.refuse_mtp(config)
   with CheckpointReader(path, fp8=layouts.fp8_from_hf(config, _dtype(config, dtype))) as reader:
     layout = layouts.detect_layout(reader.keys())
-    base = layouts.config_from_hf(config, layout=layout)
+    base = layouts.config_from_hf(config, layout=layout, names=reader.keys())
     cfg = MtpConfig(**{**base.__dict__, **conventions, "max_depth": max_depth,
                        "dtype": _dtype(config, dtype)})
     key = families.LAYOUTS[layout].first_layer_key

@@ -24,7 +24,8 @@ from jax.experimental import checkify
 from mtp_jax import grammar as grammar_lib
 from mtp_jax import validate
 from mtp_jax import tree as tree_lib
-from mtp_jax.blocks import TreeRows
+from mtp_jax.blocks import PageRead, TreeRows
+from mtp_jax.blocks.pages import WHOLE_POOL
 from mtp_jax.mtp import MtpModel
 # The state and its pure functions, re-exported: `mtp_jax.proposer` is where callers find them all.
 from mtp_jax.proposer_state import (ProposerState, after_verify, check_state, init_state, reset_slots,  # noqa: F401
@@ -77,7 +78,7 @@ def _propose_value_errors(state, hiddens, tokens, num_new, vocab_size, grammar, 
 def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, num_drafts: int, *,
             key=None, temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
             grammar=None, grammar_state=None, checked: bool = False, catch_up: bool = True,
-            tree: TreeSpec | None = None, grammar_per_position: bool = True):
+            tree: TreeSpec | None = None, grammar_per_position: bool = True, read: PageRead = WHOLE_POOL):
   """Catches the chain up on the newly verified positions and drafts `num_drafts` tokens.
 
   Args:
@@ -111,6 +112,8 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
     grammar_per_position: static; False masks every draft with grammar_state itself (the state
       after the verified tokens) instead of the state after the drafts before it, as the seed
       proposer did (an ablation: `generate(draft_masks="first")`).
+    read: static `mtp_jax.blocks.PageRead`, how a paged state's call reads its pages (a page
+      budget or span; default the whole pool); contiguous states ignore it.
   Returns:
     drafts int32[B, k] (a `DraftTree` with tokens int32[B, N] when tree is given), new
     ProposerState. Drafts of a sequence with no positions are unspecified.
@@ -137,7 +140,9 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
     validate.raise_failed(_propose_value_errors(state, hiddens, tokens, num_new, params.cfg.vocab_size, grammar,
                                                 grammar_state),
                           num_pos=state.num_pos, num_new=num_new)
-  settings = ProposeSettings(num_drafts, checked, grammar_per_position, catch_up, tree, tree_draws="independent")
+  validate.instance("read", read, PageRead, "a mtp_jax.blocks.PageRead")
+  settings = ProposeSettings(num_drafts, checked, grammar_per_position, catch_up, tree, tree_draws="independent",
+                             read=read)
   draws = None
   if temperature > 0:  # every row with these settings, each its own key split from key
     b = state.batch_size
@@ -157,7 +162,7 @@ class ProposeSettings:
   the seed's way); catch_up: run every depth (False: only the k drafting ones); tree: draft this
   TreeSpec; tree_draws: how a sampled tree's children are drawn, "top" (the top-w under the
   noise of their position: Gumbel-top-k, for Gumbel acceptance) or "independent" (w draws with
-  replacement, for rejection sampling).
+  replacement, for rejection sampling); read: how a paged state's call reads its pages (`PageRead`).
   """
 
   num_drafts: int
@@ -166,6 +171,7 @@ class ProposeSettings:
   catch_up: bool = True
   tree: TreeSpec | None = None
   tree_draws: str = "top"
+  read: PageRead = WHOLE_POOL
 
 
 def _check_grammar(grammar, grammar_state, batch_size, vocab_size):
@@ -212,7 +218,7 @@ def propose_step(params: MtpModel, state: ProposerState, hiddens_BxTxD, tokens_B
                           state.lengths)
   new_num_pos_B = num_pos_B + num_new_B
   # Every row this call writes is below new_num_pos_B (paged, a slot refused pages writes nothing).
-  caches, kv = state.caches.open(new_num_pos_B)
+  caches, kv = state.caches.open(new_num_pos_B, settings.read)
   kv, tail = list(kv), list(state.tail)
   new_lengths, drafts, probs = [], [], []
   prev_h_BxWxD, prev_start_B = hiddens_BxTxD.astype(cfg.jnp_dtype), num_pos_B

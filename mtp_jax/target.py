@@ -10,7 +10,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax import validate
-from mtp_jax.blocks import Block, Embed, LayerCache, LayerCaches, Linear, Pages, RMSNorm, TreeRows
+from mtp_jax.blocks import Block, Embed, LayerCache, LayerCaches, Linear, PageRead, Pages, RMSNorm, TreeRows
+from mtp_jax.blocks.pages import WHOLE_POOL
 from mtp_jax.blocks.axes import axes
 from mtp_jax.blocks.caches import CachedState
 from mtp_jax.config import TargetConfig
@@ -82,7 +83,7 @@ def init_target_state(cfg: TargetConfig, batch_size: int, max_len: int, *, dtype
 
 
 def target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B, tree: TreeSpec | None = None, *,
-                checked: bool = False):
+                checked: bool = False, read: PageRead = WHOLE_POOL):
   """Appends num_new_B[b] tokens (left-aligned in tokens_BxT: int32[B, T]) to each sequence.
 
   Prefill is the call with the whole prompt; verification the call with [last token, d_1..d_k].
@@ -96,16 +97,19 @@ def target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B, t
   checks as `checkify` checks (wrap the caller in `checkify.checkify`, or use `mtp_jax.checked`).
   Paged, the sequence first gets pages for its new rows; one refused them is flagged in `pages.oom`
   and its rows beyond its pages are dropped (its logits are then meaningless; others are unaffected).
+  read: static `mtp_jax.blocks.PageRead`, how a paged state's call reads its pages (a page budget
+  or span; default the whole pool); contiguous states ignore it.
   Returns (logits float32[B, T, V], hiddens dtype[B, T, D], new TargetState with length += num_new).
   """
   tokens_BxT, num_new_B = _check_step_args(model, state, tokens_BxT, num_new_B, tree)
   checked = validate.flag("checked", checked)
+  validate.instance("read", read, PageRead, "a mtp_jax.blocks.PageRead")
   if validate.is_concrete(state.length, tokens_BxT, num_new_B):
     validate.raise_failed(_step_value_checks(state, tokens_BxT, num_new_B, model.cfg.vocab_size, tree),
                           length=state.length, num_new=num_new_B)
   elif checked:
     validate.checkify_checks(_step_value_checks(state, tokens_BxT, num_new_B, model.cfg.vocab_size, tree))
-  return _target_step(model, state, tokens_BxT, num_new_B, tree)
+  return _target_step(model, state, tokens_BxT, num_new_B, tree, read)
 
 
 def _check_step_args(model, state, tokens_BxT, num_new_B, tree):
@@ -141,8 +145,9 @@ def _step_value_checks(state, tokens_BxT, num_new_B, vocab_size, tree):
   ]
 
 
-@validate.jit_when_concrete(static_argnums=4)
-def _target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B, tree: TreeSpec | None):
+@validate.jit_when_concrete(static_argnums=(4, 5))
+def _target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B, tree: TreeSpec | None,
+                 read: PageRead = WHOLE_POOL):
   t = tokens_BxT.shape[1]
   rows_BxT = state.length[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
   valid_BxT = jnp.arange(t)[None] < num_new_B[:, None]
@@ -150,7 +155,7 @@ def _target_step(model: TargetModel, state: TargetState, tokens_BxT, num_new_B, 
   if tree is not None:
     tree_rows = TreeRows(base_B=state.length, visible_TxT=tree.visible, write_BxT=rows_BxT)
     rows_BxT = state.length[:, None] + jnp.asarray(tree.depths)[None]
-  caches, layers = state.caches.open(state.length + num_new_B)
+  caches, layers = state.caches.open(state.length + num_new_B, read)
   logits, hiddens, layers = model(tokens_BxT, rows_BxT, valid_BxT, layers, tree_rows)
   return logits, hiddens, state.set(caches=caches.close(layers), length=state.length + num_new_B)
 

@@ -17,7 +17,7 @@ from test_generate import PROPOSER5, TARGET5
 
 def _steps():
   """Loop states of every kind: contiguous and paged, chain and tree, with draft distributions."""
-  paging = Paging(page_size=4, num_pages=16, budget=16)
+  paging = Paging(page_size=4, num_pages=16)
   return {
       "contiguous chain": DecodeStep(StepSettings(num_drafts=2, max_new_tokens=8, max_len=32)),
       "paged chain, rejection": DecodeStep(StepSettings(num_drafts=2, max_new_tokens=8, max_len=32, sampled=True,

@@ -6,8 +6,9 @@ layout, written here, and its MTP chain equals a reference wired as the serving 
   srt/models/exaone_moe_mtp.py; the layer from transformers 5.25's ExaoneMoe modules (see ExaoneRefMtp).
 - Nemotron-H: vLLM 0.34 model_executor/models/nemotron_h_mtp.py and SGLang 0.5.23
   srt/models/nemotron_h_mtp.py; the mixers from transformers 5.25's NemotronH modules (see NemotronRefMtp).
-- Families refused by name (Gemma 4 assistants, DeepSeek-V4, Step-3.5, Bailing): each loader names
-  the model_type and the reason.
+- Families refused by name (Gemma 4 assistants, DeepSeek-V4): each loader names the model_type and
+  the reason. Bailing's MTP modules load: tests/test_families_bailing.py. Step-3.5 / 3.7's MTP modules
+  load: tests/test_families_step3p5.py.
 """
 
 import json
@@ -214,10 +215,7 @@ def test_exaone_moe_refusals():
 
 REFUSED = [("gemma4_assistant", True, "KV cache", "holds no target"),
            ("gemma4_unified_assistant", True, "KV cache", "holds no target"),
-           ("deepseek_v4", False, "hyper-connection", "hyper-connection"),
-           ("step3p5", False, "LM heads of their own", "head-wise attention gates"),
-           ("step3p7", True, "LM heads of their own", "head-wise attention gates"),
-           ("bailing_hybrid", False, "head-wise gate", "KDA linear-attention")]
+           ("deepseek_v4", False, "hyper-connection", "hyper-connection")]
 
 
 @pytest.mark.parametrize("model_type, nested, mtp_why, target_why", REFUSED)

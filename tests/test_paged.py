@@ -1,5 +1,7 @@
 """Paged KV caches: the same drafts and tokens as contiguous caches, the allocator, errors."""
 
+import sys
+
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -8,7 +10,8 @@ from hypothesis import strategies as st
 
 import mtp_jax
 from mtp_jax.blocks.masks import attention_probs, causal_mask, readable_rows
-from mtp_jax.blocks.paged import Pages, PagedKVCache, budget_bucket
+from mtp_jax.blocks.paged import PagedKVCache
+from mtp_jax.blocks.pages import PageRead, Pages, budget_bucket
 
 from test_generate import PROMPTS5, PROPOSER5, TARGET5
 from test_proposer import CFG, K, MAX_LEN, MODEL, Sim
@@ -83,7 +86,7 @@ def test_allocator_refuses_writes_past_its_pages_and_touches_no_other_slot():
   np.testing.assert_array_equal(np.asarray(pages.oom), [True, False])
   np.testing.assert_array_equal(np.asarray(pages.used), [2, 2])
   assert int(pages.num_free) == 1
-  cache = mtp_jax.blocks.paged.PagedKVCache.zeros(CFG, pages).bound(pages)
+  cache = mtp_jax.blocks.paged.PagedKVCache.zeros(CFG, pages).for_call(pages.metadata())
   rows = jnp.arange(32)[None].repeat(2, 0)
   ones = jnp.ones((2, 32, CFG.num_kv_heads, CFG.head_dim))
   new, (k_view, _), key_rows = cache.update(rows, rows < jnp.array([[32], [0]]), ones, ones)
@@ -97,15 +100,15 @@ def test_allocator_refuses_writes_past_its_pages_and_touches_no_other_slot():
   assert int(pages.num_free) == 5 and not np.asarray(pages.oom).any()
   assert sorted(np.asarray(pages.free).tolist()) == list(range(5))
   # Under a budget of 3 pages (what attention reads), a 4th page is refused like a missing one.
-  pages = Pages.create(2, 32, 8, 5).with_budget(3).ensure(jnp.array([16, 8]))
-  pages = pages.ensure(jnp.array([16, 9]))
+  pages = Pages.create(2, 32, 8, 5).ensure(jnp.array([16, 8]), PageRead(budget=3))
+  pages = pages.ensure(jnp.array([16, 9]), PageRead(budget=3))
   np.testing.assert_array_equal(np.asarray(pages.oom), [False, True])
   np.testing.assert_array_equal(np.asarray(pages.used), [2, 1])
   assert int(pages.num_free) == 2
   # Under a span of 2 pages per slot (what a dense-view call reads), a slot's 3rd page is refused.
-  pages = Pages.create(2, 32, 8, 5).with_budget(5, span=2)
+  pages = Pages.create(2, 32, 8, 5)
   assert int(pages.span_after(jnp.array([24, 8]))) == 3
-  pages = pages.ensure(jnp.array([24, 8]))
+  pages = pages.ensure(jnp.array([24, 8]), PageRead(span=2))
   np.testing.assert_array_equal(np.asarray(pages.oom), [True, False])
   np.testing.assert_array_equal(np.asarray(pages.used), [0, 1])
 
@@ -142,20 +145,20 @@ def test_attend_over_the_pages_in_use_equals_the_dense_view(window, sinks, dv):
   kv = (jnp.asarray(rng.normal(size=(b, t, hkv, dh)), jnp.float32),
         jnp.asarray(rng.normal(size=(b, t, hkv, dv)), jnp.float32))
   sinks_KxG = jnp.asarray(rng.normal(size=(hkv, g)), jnp.float32) if sinks else None
-  cache = PagedKVCache(jnp.asarray(pool), jnp.asarray(v_pool), None, 4)
-  _, (k_view, v_view), key_rows = cache.bound(pages).update(rows, valid, kv[0], kv[1])
+  cache = PagedKVCache(jnp.asarray(pool), jnp.asarray(v_pool), 4)
+  _, (k_view, v_view), key_rows = cache.for_call(pages.metadata()).update(rows, valid, kv[0], kv[1])
   scores = jnp.einsum("btkgd,bskd->bkgts", q, k_view) * dh**-0.5
   probs = attention_probs(scores, causal_mask(rows, key_rows, window=window), sinks_KxG=sinks_KxG)
   want = jnp.einsum("bkgts,bskd->btkgd", probs, readable_rows(v_view, rows, valid, key_rows))
   for budget in (5, 8):
-    written = cache.bound(pages.with_budget(budget)).write(rows, valid, kv[0], kv[1])
+    written = cache.for_call(pages.metadata(PageRead(budget))).write(rows, valid, kv[0], kv[1])
     got = np.asarray(written.attend_pages(q, rows, valid, window=window, sinks_KxG=sinks_KxG))
     ok = valid[:, :, None, None, None]  # invalid queries' outputs are never used
     np.testing.assert_allclose(np.where(ok, got, 0), np.where(ok, np.asarray(want), 0), rtol=1e-5, atol=1e-6)
     assert np.isfinite(got).all()
   for span in (3, 4):  # the dense view of the first span columns (slot 2 holds 3 pages)
-    _, got = cache.bound(pages.with_budget(9, span)).attend(q, kv[0], kv[1], rows, valid, window=window,
-                                                            sinks_KxG=sinks_KxG)
+    _, got = cache.for_call(pages.metadata(PageRead(span=span))).attend(q, kv[0], kv[1], rows, valid,
+                                                                        window=window, sinks_KxG=sinks_KxG)
     got = np.asarray(got)
     np.testing.assert_allclose(np.where(ok, got, 0), np.where(ok, np.asarray(want), 0), rtol=1e-5, atol=1e-6)
     assert np.isfinite(np.where(ok, got, 0)).all()
@@ -173,13 +176,13 @@ def test_generate_paged_with_very_mixed_lengths_raises_its_budget_mid_run(monkey
   """Pages of 4 rows: the budget starts at 16 pages and is raised as the sequences grow."""
   prompts = [[1], [4, 0, 1, 2, 3, 4, 0, 1] * 5, [3, 2]]
   flat = mtp_jax.generate(TARGET5, PROPOSER5, prompts, 10, num_drafts=K)
-  budgets = []
-  settings_cls = mtp_jax.serving.StepSettings
-  with_budget = settings_cls.with_budget
-  monkeypatch.setattr(settings_cls, "with_budget", lambda st, n: budgets.append(n) or with_budget(st, n))
+  reads = []
+  driver = sys.modules["mtp_jax.serving.generate"]
+  jit_run = driver.jit_run
+  monkeypatch.setattr(driver, "jit_run", lambda *args: reads.append(args[-1]) or jit_run(*args))
   paged = mtp_jax.generate(TARGET5, PROPOSER5, prompts, 10, num_drafts=K, page_size=4)
   assert paged.tokens == flat.tokens and paged.stats == dict(flat.stats, out_of_pages=[])
-  assert budgets == [24]
+  assert reads == [PageRead(budget=24)]
 
 
 class TestErrors:

@@ -5,7 +5,8 @@ B batch, T rows in this call, L cache rows (max_len), S keys attended to, D hidd
 H query heads, G = H / Hkv query heads per KV head, Dh head dim, F MLP width, V vocabulary.
 
 Data flow: linear, norms, rope, masks (the attention math) -> cache (the per-layer cache interface,
-dense caches) -> paged (the page allocator, paged caches) -> mla -> dsa (DeepSeek Sparse Attention
+dense caches) -> pages (the page allocator, the per-call `AttentionMetadata`) -> paged (paged
+caches) -> mla -> dsa (DeepSeek Sparse Attention
 and its caches) -> caches (`LayerCaches`, one model's caches, and `init_cache`, which picks the cache
 for a config) -> attention, mlp, moe -> block (the pre-norm `Block`).
 """
@@ -21,9 +22,10 @@ from mtp_jax.blocks.mla import MlaAttention
 from mtp_jax.blocks.mlp import Mlp
 from mtp_jax.blocks.moe import Moe
 from mtp_jax.blocks.norms import RMSNorm
-from mtp_jax.blocks.paged import Pages, PagedKVCache, PagedMlaCache
+from mtp_jax.blocks.paged import PagedKVCache, PagedMlaCache
+from mtp_jax.blocks.pages import AttentionMetadata, PageRead, Pages
 from mtp_jax.blocks.rope import rope
 
 __all__ = ["Attention", "TreeRows", "Block", "DsaAttention", "DsaCache", "PagedDsaCache", "init_cache", "KVCache",
            "LayerCache", "LayerCaches", "MlaCache", "MlaAttention", "Embed", "Linear", "module_state_dict", "normal",
-           "Mlp", "Moe", "Pages", "PagedKVCache", "PagedMlaCache", "RMSNorm", "rope"]
+           "Mlp", "Moe", "AttentionMetadata", "PageRead", "Pages", "PagedKVCache", "PagedMlaCache", "RMSNorm", "rope"]

@@ -1,8 +1,8 @@
 """Causal GQA self-attention with RoPE over a cache (see cache.py) or over its own rows.
 
 Options (BlockConfig): q, k, v biases and an o_proj bias; per-head q / k RMSNorm before RoPE;
-Qwen3-Next's output gate; a sliding window; learned attention sinks; value heads of their own
-width (v_head_dim) and a constant value scale (MiMo-V2-Flash).
+Qwen3-Next's output gate; Step-3.5's head-wise gate; a sliding window; learned attention sinks;
+value heads of their own width (v_head_dim) and a constant value scale (MiMo-V2-Flash).
 """
 
 from __future__ import annotations
@@ -35,6 +35,9 @@ class Attention(nnx.Module):
     self.q_norm = norm() if cfg.qk_norm else None
     self.k_norm = norm() if cfg.qk_norm else None
     self.sinks = param(jnp.zeros((h,), dt), ("heads",)) if cfg.attention_sinks else None
+    # Step-3.5's g_proj: one gate logit per query head, read from the same normed input as q / k / v.
+    self.g_proj = (Linear(d, h, axes=("heads", "embed"), dtype=dt, rngs=rngs) if cfg.attention_head_gate
+                   else None)
     self.num_heads, self.num_kv_heads, self.head_dim, self.value_dim = h, hkv, dh, dv
     self.value_scale = cfg.attention_value_scale
     self.gated, self.window, self.interleave = cfg.attention_gate, cfg.sliding_window, cfg.rope_interleave
@@ -50,7 +53,7 @@ class Attention(nnx.Module):
       x_BxTxD: dtype[B, T, D] normed inputs.
       rows_BxT: int32[B, T] row index of each input (RoPE position is row + rope_offset).
       valid_BxT: bool[B, T]; invalid rows are neither written to the cache nor attended to.
-      cache: a GQA LayerCache (KVCache with L rows, a PagedKVCache bound for the call), or None to
+      cache: a GQA LayerCache (KVCache with L rows, a PagedKVCache view for the call), or None to
         attend within this call's rows only (training).
       tree: the rows are draft-tree nodes (TreeRows), attending to a prefix and their ancestors.
     Returns:
@@ -79,4 +82,6 @@ class Attention(nnx.Module):
     out = out.reshape(b, t, hkv * g, dv).astype(x_BxTxD.dtype)
     if self.gated:
       out = out * jax.nn.sigmoid(gate_BxTxHxDh)
+    if self.g_proj is not None:  # one sigmoid per head scales all of that head's output
+      out = out * jax.nn.sigmoid(self.g_proj(x_BxTxD))[..., None]
     return self.o_proj(out.reshape(b, t, hkv * g * dv)), new_cache

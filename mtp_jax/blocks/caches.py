@@ -3,13 +3,16 @@ proposer's depths) and, when paged, their page allocator.
 
 It owns everything about the memory that is not attention: allocation (dense or paged, GQA or
 MLA, from a config), growth (dense), paging (`open` gives the slots the pages a call needs and
-binds the table to the layers, `close` takes the layers back unbound; `release`, `reset`,
-budget, `pages_after`, `out_of_pages`), an external page table (`with_page_table`) and row moves
-(`move_rows`, for draft-tree compaction). A model call reads as
+hands the layers the call's `AttentionMetadata`, `close` takes back their pools; `release`,
+`reset`, `pages_after`, `span_after`, `out_of_pages`), an external page table (`with_page_table`)
+and row moves (`move_rows`, for draft-tree compaction). A model call reads as
 
-    caches, layers = state.caches.open(num_rows_B)   # pages for rows 0..num_rows_B[b]-1
-    ... layers[i] = layer(..., layers[i]) ...          # each a LayerCache (cache.py): attend / keys
+    caches, layers = state.caches.open(num_rows_B, read)  # pages for rows 0..num_rows_B[b]-1
+    ... layers[i] = layer(..., layers[i]) ...             # each a LayerCache (cache.py): attend / keys
     caches = caches.close(layers)
+
+where `read` (a static `PageRead`: a page budget or span, chosen by the caller per call) says
+how the call reads its pages; contiguous caches ignore it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ import jax.numpy as jnp
 from mtp_jax import validate
 from mtp_jax.blocks.cache import KVCache, MlaCache
 from mtp_jax.blocks.dsa import DsaCache, PagedDsaCache
-from mtp_jax.blocks.paged import Pages, PagedKVCache, PagedMlaCache, check_paging
+from mtp_jax.blocks.paged import PagedKVCache, PagedMlaCache
+from mtp_jax.blocks.pages import WHOLE_POOL, PageRead, Pages, check_paging
 from mtp_jax.config import BlockConfig
 
 
@@ -105,11 +109,6 @@ class CachedState:
     (0 when contiguous): the page span it needs."""
     return self.caches.span_after(self.rows_held + num_new_B)
 
-  def with_page_budget(self, budget: int | None, span: int | None = None):
-    """This state whose calls read `budget` pages, or the first span columns of each slot's table
-    (`Pages.with_budget`; unchanged when contiguous or budget is None)."""
-    return self.set(caches=self.caches.with_budget(budget, span))
-
   def with_page_table(self, table):
     """External paging (`pages=Pages.external(..)` at init): this state reading and writing
     through the caller's new table int32[B, max_pages]."""
@@ -125,8 +124,8 @@ class CachedState:
 class LayerCaches:
   """layers: one cache per layer, all of one kind: KVCache k, v dtype[B, L, Hkv, Dh], MlaCache
   latent dtype[B, L, R], k_rope dtype[B, L, Dr], or their paged forms (PagedKVCache,
-  PagedMlaCache: pools of pages, stored unbound); pages: the allocator whose table they share,
-  or None when contiguous."""
+  PagedMlaCache: pools of pages alone); pages: the allocator whose table they share, or None
+  when contiguous."""
 
   layers: tuple
   pages: Pages | None = None
@@ -152,21 +151,25 @@ class LayerCaches:
   def set(self, **changes) -> "LayerCaches":
     return dataclasses.replace(self, **changes)
 
-  def _bound(self) -> tuple:
-    return self.layers if self.pages is None else tuple(c.bound(self.pages) for c in self.layers)
+  def _for_call(self, read: PageRead) -> tuple:
+    if self.pages is None:
+      return self.layers
+    meta = self.pages.metadata(read)
+    return tuple(c.for_call(meta) for c in self.layers)
 
-  def open(self, num_rows_B) -> tuple["LayerCaches", tuple]:
+  def open(self, num_rows_B, read: PageRead = WHOLE_POOL) -> tuple["LayerCaches", tuple]:
     """(these caches with pages for rows 0..num_rows_B[b]-1 (int32[B]), the layers ready for one call).
 
-    Paged, each slot first gets the pages its rows need (one refused them is flagged in
-    `out_of_pages` and its writes past its pages are dropped) and the layers come bound to the
-    table; contiguous, the layers as they are."""
-    caches = self if self.pages is None else self.set(pages=self.pages.ensure(num_rows_B))
-    return caches, caches._bound()
+    Paged, each slot first gets the pages its rows need within read's budget and span (one
+    refused them is flagged in `out_of_pages` and its writes past its pages are dropped), and
+    the layers come as views reading through the call's `AttentionMetadata`; contiguous, the
+    layers as they are. read: a static `PageRead` (default: the page list of the whole pool)."""
+    caches = self if self.pages is None else self.set(pages=self.pages.ensure(num_rows_B, read))
+    return caches, caches._for_call(read)
 
   def close(self, layers) -> "LayerCaches":
-    """These caches holding the layers a call returned (unbound from the table: a state stores one copy)."""
-    return self.set(layers=tuple(layers) if self.pages is None else tuple(c.bound(None) for c in layers))
+    """These caches holding the layers a call returned (their pools alone: a state holds the table once)."""
+    return self.set(layers=tuple(layers) if self.pages is None else tuple(c.for_call(None) for c in layers))
 
   def out_of_pages(self, batch_size: int) -> jax.Array:
     """bool[B]: slots the page allocator refused a page (never when contiguous)."""
@@ -179,13 +182,6 @@ class LayerCaches:
   def span_after(self, num_rows_B) -> jax.Array:
     """int32[]: the most pages one slot holds once each holds rows 0..num_rows_B[b]-1 (0 when contiguous)."""
     return jnp.zeros((), jnp.int32) if self.pages is None else self.pages.span_after(num_rows_B)
-
-  def with_budget(self, budget: int | None, span: int | None = None) -> "LayerCaches":
-    """These caches whose calls read `budget` pages, or span columns per slot (`Pages.with_budget`;
-    unchanged when contiguous or budget is None)."""
-    if self.pages is None or budget is None:
-      return self
-    return self.set(pages=self.pages.with_budget(budget, span))
 
   def with_page_table(self, table) -> "LayerCaches":
     """External paging: these caches reading and writing through the caller's table int32[B, max_pages]."""
@@ -211,4 +207,4 @@ class LayerCaches:
   def move_rows(self, src_BxA, dst_BxA, valid_BxA) -> "LayerCaches":
     """Every layer with row src_BxA[b, a] copied to row dst_BxA[b, a] (int32[B, A]) where valid_BxA
     (paged: through the table; the rows must lie in pages the slots hold)."""
-    return self.close(c.move_rows(src_BxA, dst_BxA, valid_BxA) for c in self._bound())
+    return self.close(c.move_rows(src_BxA, dst_BxA, valid_BxA) for c in self._for_call(WHOLE_POOL))

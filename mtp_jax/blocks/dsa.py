@@ -27,7 +27,8 @@ from mtp_jax.blocks.axes import axes
 from mtp_jax.blocks.linear import Linear, param
 from mtp_jax.blocks.masks import TreeRows
 from mtp_jax.blocks.mla import MlaAttention
-from mtp_jax.blocks.paged import Pages, PagedRows
+from mtp_jax.blocks.paged import PagedRows
+from mtp_jax.blocks.pages import AttentionMetadata, Pages
 from mtp_jax.blocks.rope import apply_rope
 from mtp_jax.config import BlockConfig
 
@@ -161,14 +162,11 @@ class PagedDsaCache(PagedRows):
   latent: jax.Array = axes("pages", "page_rows", "kv_lora")
   k_rope: jax.Array = axes("pages", "page_rows", "head_dim")
   index_k: jax.Array = axes("pages", "page_rows", None)
-  table: jax.Array | None = axes("table_slots", None)
   max_pages: int = dataclasses.field(metadata=dict(static=True))
-  used: jax.Array | None = axes("table_slots", default=None)
-  budget: int | None = dataclasses.field(default=None, metadata=dict(static=True))
-  span: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+  meta: AttentionMetadata | None = None
 
   @classmethod
   def zeros(cls, cfg: BlockConfig, pages: Pages, dtype=None) -> "PagedDsaCache":
     dtype = dtype or cfg.jnp_dtype
     pools = (jnp.zeros((pages.num_pages, pages.page_size, w), dtype) for w in _widths(cfg))
-    return cls(*pools, None, pages.table.shape[1])
+    return cls(*pools, pages.table.shape[1])

@@ -11,10 +11,14 @@ Two equal forms (tests/test_blocks.py checks they agree):
     and W_uv into the output (out = (probs @ c) W_uv), so keys are never expanded and a step
     reads only the R + Dr numbers per cached row. DeepSeek's inference code decodes this way.
 A call takes the form with fewer flops for its T rows (absorbed for decode and short chunks).
+
+With cfg.attention_head_gate (Bailing / Ling), g_proj dtype[H, D] gives one logit per head from the
+layer's normed input, and head h's attention output is scaled by sigmoid(logit_h) before o_proj.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
@@ -48,6 +52,7 @@ class MlaAttention(nnx.Module):
     self.kv_a_layernorm = RMSNorm(m.kv_lora_rank, eps=_LORA_NORM_EPS, dtype=dt, axis="kv_lora")
     self.kv_b_proj = lin(m.kv_lora_rank, h * (m.qk_nope_head_dim + m.v_head_dim), ("heads", "kv_lora"))
     self.o_proj = lin(h * m.v_head_dim, d, ("embed", "heads"), cfg.attention_bias)
+    self.g_proj = lin(d, h, ("heads", "embed")) if cfg.attention_head_gate else None
     self.num_heads, self.mla, self.window = h, m, cfg.sliding_window
     inv_freq, self.rope_factor = inv_frequencies(cfg.rotary_dim, cfg.rope_theta, cfg.rope_scaling)
     self.inv_freq, self.interleave = tuple(inv_freq.tolist()), cfg.rope_interleave
@@ -70,7 +75,9 @@ class MlaAttention(nnx.Module):
     # The latent is MLA's value too: rows no query may read come back zeroed (see readable_rows).
     new_cache, (latent_BxSxR, k_rope_BxSxDr), mask_BxTxS = cache_lib.or_none(cache).keys(
         rows_BxT, valid_BxT, (latent_BxTxR, k_rope_BxTxDr), value=0, window=self.window, tree=tree)
-    out = self.attend(q_nope, q_rope, latent_BxSxR, k_rope_BxSxDr, mask_BxTxS, x_BxTxD.dtype, absorb=absorb)
+    gate_BxTxH = None if self.g_proj is None else jax.nn.sigmoid(self.g_proj(x_BxTxD))
+    out = self.attend(q_nope, q_rope, latent_BxSxR, k_rope_BxSxDr, mask_BxTxS, x_BxTxD.dtype, absorb=absorb,
+                      gate_BxTxH=gate_BxTxH)
     return out, new_cache
 
   def project(self, x_BxTxD, pos_BxT):
@@ -98,9 +105,10 @@ class MlaAttention(nnx.Module):
     return q[..., :m.qk_nope_head_dim], rope(q[..., m.qk_nope_head_dim:]), latent_BxTxR, k_rope_BxTxDr, q_resid
 
   def attend(self, q_nope_BxTxHxDn, q_rope_BxTxHxDr, latent_BxSxR, k_rope_BxSxDr, mask_BxTxS, out_dtype, *,
-             absorb: bool | None = None):
+             absorb: bool | None = None, gate_BxTxH=None):
     """Attention of this call's queries over S keys read from the cache (mask bool[B, T, S]), cast to
-    out_dtype, through o_proj: dtype[B, T, D]."""
+    out_dtype, each head scaled by gate_BxTxH (dtype[B, T, H], None: not gated), through o_proj:
+    dtype[B, T, D]."""
     b, t, h, _ = q_nope_BxTxHxDn.shape
     m, dt = self.mla, q_nope_BxTxHxDn.dtype
     w_HxDnvxR = self.kv_b_proj.weight[...].reshape(h, -1, m.kv_lora_rank)
@@ -120,7 +128,10 @@ class MlaAttention(nnx.Module):
       scores = jnp.einsum("bthn,bshn->bhts", q_nope_BxTxHxDn, k_nope_BxSxHxDn, **f32) + rope_scores
       probs = self._probs(scores, mask_BxTxS).astype(dt)
       out_BxTxHxDv = jnp.einsum("bhts,bshv->bthv", probs, v_BxSxHxDv)
-    return self.o_proj(out_BxTxHxDv.reshape(b, t, h * m.v_head_dim).astype(out_dtype))
+    out_BxTxHxDv = out_BxTxHxDv.astype(out_dtype)
+    if gate_BxTxH is not None:
+      out_BxTxHxDv = out_BxTxHxDv * gate_BxTxH[..., None].astype(out_dtype)
+    return self.o_proj(out_BxTxHxDv.reshape(b, t, h * m.v_head_dim))
 
   def _probs(self, scores_BxHxTxS, mask_BxTxS):
     probs = attention_probs(scores_BxHxTxS[:, None] * self.scale, mask_BxTxS)

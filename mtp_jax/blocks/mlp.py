@@ -1,4 +1,4 @@
-"""The dense feed-forward layer: SwiGLU, or Nemotron-H's non-gated squared ReLU."""
+"""The dense feed-forward layer: SwiGLU (optionally clipped, Step-3.5), or Nemotron-H's non-gated squared ReLU."""
 
 from __future__ import annotations
 
@@ -10,22 +10,26 @@ from mtp_jax.blocks.linear import Linear
 from mtp_jax.config import BlockConfig
 
 
-def activate(up, gate, activation: str):
+def activate(up, gate, activation: str, limit: float | None = None):
   """The experts' and MLPs' hidden from the up (and gate) projections: silu(gate) * up for "swiglu",
-  relu(up)^2 for "relu2" (gate None); same shape and dtype as up."""
+  relu(up)^2 for "relu2" (gate None); same shape and dtype as up. limit ("swiglu" only) clips
+  silu(gate) above at limit and up to [-limit, limit] before the product (Step-3.5's clipped SwiGLU)."""
   if activation == "relu2":
     return jnp.square(jax.nn.relu(up))
-  return jax.nn.silu(gate) * up
+  act = jax.nn.silu(gate)
+  if limit is not None:
+    act, up = jnp.minimum(act, limit), jnp.clip(up, -limit, limit)
+  return act * up
 
 
 class Mlp(nnx.Module):
-  """down(silu(gate(x)) * up(x)), or with activation "relu2" down(relu(up(x))^2) and no gate_proj;
-  width F = intermediate_size (default cfg.intermediate_size)."""
+  """down(silu(gate(x)) * up(x)), clipped by cfg.swiglu_limit, or with activation "relu2"
+  down(relu(up(x))^2) and no gate_proj; width F = intermediate_size (default cfg.intermediate_size)."""
 
   def __init__(self, cfg: BlockConfig, *, rngs: nnx.Rngs, intermediate_size: int | None = None,
                activation: str = "swiglu"):
     d, f, dt = cfg.hidden_size, intermediate_size or cfg.intermediate_size, cfg.jnp_dtype
-    self.activation = activation
+    self.activation, self.limit = activation, cfg.swiglu_limit
     self.gate_proj = Linear(d, f, axes=("mlp", "embed"), dtype=dt, rngs=rngs) if activation == "swiglu" else None
     self.up_proj = Linear(d, f, axes=("mlp", "embed"), dtype=dt, rngs=rngs)
     self.down_proj = Linear(f, d, axes=("embed", "mlp"), dtype=dt, rngs=rngs)
@@ -33,4 +37,4 @@ class Mlp(nnx.Module):
   def __call__(self, x_BxTxD):
     """dtype[B, T, D] -> dtype[B, T, D]."""
     gate = None if self.gate_proj is None else self.gate_proj(x_BxTxD)
-    return self.down_proj(activate(self.up_proj(x_BxTxD), gate, self.activation))
+    return self.down_proj(activate(self.up_proj(x_BxTxD), gate, self.activation, self.limit))

@@ -78,7 +78,8 @@ class Router(nnx.Module):
 class Experts(nnx.Module):
   """E SwiGLU experts in stacked (input, output) layout for ragged_dot:
   gate_proj, up_proj dtype[E, D, Fe]; down_proj dtype[E, Fe, D]. With cfg.expert_activation "relu2"
-  no gate_proj (down(relu(up(x))^2)); with cfg.latent_size the experts' D is that width.
+  no gate_proj (down(relu(up(x))^2)); with cfg.latent_size the experts' D is that width; with
+  cfg.swiglu_limit the SwiGLU is clipped (blocks.mlp.activate).
 
   Released checkpoints store expert e as mlp.experts.{e}.{gate,up,down}_proj.weight in the
   torch [out, in] layout; layouts.py stacks (and transposes) them into these on load.
@@ -88,7 +89,7 @@ class Experts(nnx.Module):
 
   def __init__(self, cfg: MoeConfig, hidden_size: int, dtype, *, rngs: nnx.Rngs):
     e, d, f = cfg.num_experts, cfg.latent_size or hidden_size, cfg.moe_intermediate_size
-    self.activation = cfg.expert_activation
+    self.activation, self.limit = cfg.expert_activation, cfg.swiglu_limit
     self.gate_proj = (param(normal(rngs, (e, d, f), d**-0.5, dtype), ("experts", "embed", "expert_mlp"))
                       if self.activation == "swiglu" else None)
     self.up_proj = param(normal(rngs, (e, d, f), d**-0.5, dtype), ("experts", "embed", "expert_mlp"))
@@ -104,7 +105,8 @@ class Experts(nnx.Module):
     if path == "gather":
       g = jnp.einsum("nd,nkdf->nkf", x_NxD, weight_of(self, "gate_proj", experts_NxK)) if gated else None
       u = jnp.einsum("nd,nkdf->nkf", x_NxD, weight_of(self, "up_proj", experts_NxK))
-      y_NxKxD = jnp.einsum("nkf,nkfd->nkd", activate(u, g, self.activation), weight_of(self, "down_proj", experts_NxK))
+      h_NxKxF = activate(u, g, self.activation, self.limit)
+      y_NxKxD = jnp.einsum("nkf,nkfd->nkd", h_NxKxF, weight_of(self, "down_proj", experts_NxK))
       out = jnp.einsum("nk,nkd->nd", weights_NxK, y_NxKxD.astype(jnp.float32))
       return out.astype(x_NxD.dtype)
     wg = weight_of(self, "gate_proj") if gated else None
@@ -115,7 +117,7 @@ class Experts(nnx.Module):
       sizes_E = jnp.bincount(experts_NxK.reshape(-1), length=wu.shape[0]).astype(jnp.int32)
       x_MxD = x_NxD[rows_M]
       h_MxF = activate(jax.lax.ragged_dot(x_MxD, wu, sizes_E),
-                       jax.lax.ragged_dot(x_MxD, wg, sizes_E) if gated else None, self.activation)
+                       jax.lax.ragged_dot(x_MxD, wg, sizes_E) if gated else None, self.activation, self.limit)
       y_MxD = jax.lax.ragged_dot(h_MxF, wd, sizes_E).astype(jnp.float32)
       y_MxD = y_MxD * weights_NxK.reshape(-1)[order_M][:, None]
       out = jnp.zeros((n, x_NxD.shape[1]), jnp.float32).at[rows_M].add(y_MxD)
@@ -123,7 +125,7 @@ class Experts(nnx.Module):
       combine_NxE = jnp.zeros((n, wu.shape[0]), jnp.float32).at[jnp.arange(n)[:, None], experts_NxK].add(
           weights_NxK)
       h = activate(jnp.einsum("nd,edf->nef", x_NxD, wu),
-                   jnp.einsum("nd,edf->nef", x_NxD, wg) if gated else None, self.activation)
+                   jnp.einsum("nd,edf->nef", x_NxD, wg) if gated else None, self.activation, self.limit)
       out = jnp.einsum("ne,ned->nd", combine_NxE, jnp.einsum("nef,efd->ned", h, wd).astype(jnp.float32))
     else:
       raise ValueError(f"path must be one of {PATHS}, got {path!r}")

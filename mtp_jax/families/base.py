@@ -110,7 +110,14 @@ class Family:
   mtp_refusal: why its MTP modules do not load, for the error (empty: they load where a layout reads them).
   dsa: config.json -> the DeepSeek Sparse Attention indexer of its MLA layers (DeepSeek-V3.2,
   GLM-5), None where it has none. target_check: raises NotImplementedError naming what of a
-  config.json of a built target type mtp_jax does not build (GLM-5's cross-layer top-k sharing)."""
+  config.json of a built target type mtp_jax does not build (GLM-5's cross-layer top-k sharing).
+  hf_view: config.json -> the config.json the shared readers see (`layouts.text_fields` applies it
+  before any key is checked), for a family whose keys those readers do not know (Step-3.5's per-layer
+  lists resolved to its MTP layers' values); it must give the same result applied twice. None: as stored.
+  mtp_blocks may also set MtpConfig's own_lm_head (Step-3.5's per-module LM heads).
+  mtp_tensors: (config.json, the checkpoint's tensor names) -> BlockConfig fields of its MTP blocks that
+  the checkpoint settles over mtp_blocks' reading (Bailing's MLA output gate: built where the MTP
+  layers hold one), None where config.json settles them all."""
   name: str
   title: str
   model_types: tuple[str, ...]
@@ -128,4 +135,6 @@ class Family:
   mtp_refusal: str = ""
   dsa: Callable[[Mapping], DsaConfig] | None = None
   target_check: Callable[[Mapping], None] | None = None
+  hf_view: Callable[[Mapping], Mapping] | None = None
+  mtp_tensors: Callable[[Mapping, set], dict] | None = None
 

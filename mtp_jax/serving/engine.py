@@ -45,7 +45,7 @@ import numpy as np
 
 from mtp_jax import grammar as grammar_lib
 from mtp_jax import validate
-from mtp_jax.blocks.paged import budget_bucket
+from mtp_jax.blocks.pages import PageRead, budget_bucket
 from mtp_jax.mtp import MtpModel
 from mtp_jax.serving import options
 from mtp_jax.serving.grammars import GrammarUnion
@@ -101,15 +101,12 @@ class Engine:
                                                     f"K={self.max_drafts} drafts, got max_drafts="
                                                     f"{cfg.draft_policy.max_drafts} (num_drafts={cfg.num_drafts!r})")
     self.policy = (cfg.draft_policy or DraftPolicy(self.max_drafts)) if auto else None
-    # The state keeps this step's paging (every page allowed, the page list); each call reads the
-    # budget or span of its own step, applied inside the jitted call, so the state's static fields
-    # never change and each function compiles once per step, not once per state layout too.
     self._base = DecodeStep(StepSettings(
         num_drafts=d.num_drafts, max_new_tokens=max_len, max_len=max_len, sampled=d.relaxed is None,
-        acceptance=d.acceptance, relaxed=d.relaxed, tree=cfg.tree, mesh=cfg.mesh,
-        paging=Paging(page_size, num_pages, num_pages),
+        acceptance=d.acceptance, relaxed=d.relaxed, tree=cfg.tree, mesh=cfg.mesh, paging=Paging(page_size, num_pages),
         deferred_rows=validate.integer("deferred_rows", cfg.deferred_rows, 0) if auto else 0))
-    self._step = self._base  # the decode step: its verify width and page span follow the load
+    self._step = self._base  # the decode step: its verify width follows the load
+    self._read = PageRead(span=max_len // page_size)  # how the next decode call reads its pages
     self.grammar = cfg.grammar
     self._grammar_eos = None if cfg.grammar is None else cfg.grammar.eos_token_id  # every grammar of the engine ends so
     self._grammars = GrammarUnion()
@@ -126,8 +123,7 @@ class Engine:
   @property
   def page_span(self) -> int:
     """Pages per slot the last decode call read (the most a slot held: follows the rows in flight)."""
-    span = self._step.settings.paging.span
-    return self.max_len // self.page_size if span is None else span
+    return self._read.span
 
   # -- requests --
 
@@ -257,7 +253,7 @@ class Engine:
     decoding = [slot for slot, rid in enumerate(self._slots) if rid is not None and not self._admission.in_parts(rid)]
     idx_A = self._slot_group(decoding)
     self._s = jit_run_for(step, self.target, self.proposer, self._grammars.union, self._s, np.int32(n),
-                          None if len(idx_A) == len(self._slots) else idx_A)
+                          None if len(idx_A) == len(self._slots) else idx_A, self._read)
     gained, steps = self._collect()
     now = time.perf_counter()
     if self.policy is not None and steps and programs_built() == traces:  # else it built a program
@@ -325,8 +321,8 @@ class Engine:
     prompt_1xT, len_1 = padded_prompts([req.prompt[done:done + c]], 1, [0])
     next_1xT, _ = padded_prompts([req.prompt[done + 1:done + c + 1]], 1, [0])
     slot_1 = np.asarray([req.slot], np.int32)
-    self._s = jit_prefill_part(self._paging_for(slot_1, len_1), self.target, self.proposer, self._grammars.union,
-                               self._s, slot_1, prompt_1xT, len_1, next_1xT)
+    self._s = jit_prefill_part(self._base, self.target, self.proposer, self._grammars.union, self._s, slot_1,
+                               prompt_1xT, len_1, next_1xT, self._read_for(slot_1, len_1))
     req.prefilled += c
 
   def _prefill(self, admitted: list[Request]) -> None:
@@ -344,10 +340,10 @@ class Engine:
       max_new_A[i] = r.max_new_tokens
       if r.grammar is not None:
         gstart_A[i] = self._grammars.start(r.grammar)
-    self._s = jit_prefill(self._paging_for(idx_A, lens_A), self.target, self.proposer, self._grammars.union,
+    self._s = jit_prefill(self._base, self.target, self.proposer, self._grammars.union,
                           self._s, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A,
                           slot_settings(admitted, a, vocab_size=self.target.cfg.vocab_size, max_drafts=self.max_drafts,
-                                        seed=self.defaults.seed), idx_A)
+                                        seed=self.defaults.seed), idx_A, self._read_for(idx_A, lens_A))
 
   def _slot_group(self, slots: list[int]) -> np.ndarray:
     """int32[A]: slots, then others (free ones first, untouched by the call) up to a power of two
@@ -361,12 +357,11 @@ class Engine:
     rest = sorted(set(range(b)) - set(slots), key=lambda i: self._slots[i] is not None)
     return np.asarray(list(slots) + rest[:a - len(slots)], np.int32)
 
-  def _paging_for(self, idx_A, num_new_A) -> DecodeStep:
-    """The width-free step for a call adding num_new_A rows to the slots idx_A: it reads their pages
-    only, the span of the longest (a prefill reads its prompts' pages, not a running request's)."""
+  def _read_for(self, idx_A, num_new_A) -> PageRead:
+    """How a call adding num_new_A rows to the slots idx_A reads its pages: their pages only, the
+    span of the longest (a prefill reads its prompts' pages, not a running request's)."""
     need = int(jit_span_needed(self._base, self._s, np.asarray(num_new_A, np.int32), idx_A))
-    span = budget_bucket(need, self.max_len // self.page_size, minimum=2)
-    return DecodeStep(self._base.settings.with_budget(self.num_pages, span))
+    return PageRead(span=budget_bucket(need, self.max_len // self.page_size, minimum=2))
 
   def _use_grammars(self, needed: list[grammar_lib.Grammar]) -> None:
     """Makes the device grammar hold `needed` (the running requests' grammars are kept)."""
@@ -387,9 +382,7 @@ class Engine:
     # At least MIN_CAPACITY rows, as generate's caches start: short requests share one compile,
     # and a request does not meet a new span (a compile, seconds) every few pages it grows.
     first = 1 << max(1, (-(-MIN_CAPACITY // self.page_size) - 1).bit_length())
-    span = budget_bucket(span_needed, self.max_len // self.page_size, minimum=first)
-    if span != self._step.settings.paging.span:
-      self._step = DecodeStep(self._step.settings.with_budget(self.num_pages, span))
+    self._read = PageRead(span=budget_bucket(span_needed, self.max_len // self.page_size, minimum=first))
 
   def _collect(self) -> tuple[dict[int, list[int]], int]:
     """(the tokens each running request gained, decode steps the last call ran)."""

@@ -3,7 +3,7 @@
 The host checks the arguments, sizes the caches, and runs the step: the whole generation as one
 on-device `lax.while_loop` (`jit_generate`, then `jit_run` after each resize), or step by step
 from Python when it streams. Contiguous caches start small and double between jitted chunks
-(one compile per size); paged ones raise their page budget the same way.
+(one compile per size); paged ones raise the page budget their calls read (`PageRead`) the same way.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import numpy as np
 
 from mtp_jax import grammar as grammar_lib
 from mtp_jax import validate
-from mtp_jax.blocks.paged import budget_bucket
+from mtp_jax.blocks.pages import WHOLE_POOL, PageRead, budget_bucket
 from mtp_jax.mtp import MtpModel
 from mtp_jax.serving import options
 from mtp_jax.serving.options import Paging, StepSettings
@@ -136,7 +136,7 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
   prompts_BxT, lens_B = padded_prompts(prompts, b, range(b))
   t = prompts_BxT.shape[1]
   full_len = max_len or t + max_new_tokens + step_rows  # rows that always suffice
-  paging = None
+  paging, read = None, WHOLE_POOL
   if page_size is None:
     if num_pages is not None:
       raise validate.InvalidValue("num_pages", f"num_pages={num_pages!r} needs page_size")
@@ -147,17 +147,17 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
     page_size, num_pages = options.paging(full_len, page_size, num_pages, b)
     capacity = full_len
     first = np.minimum(-(-(lens_B + step_rows) // page_size), full_len // page_size)  # the prefill and a step
-    paging = Paging(page_size, num_pages, budget_bucket(int(first.sum()), num_pages))
+    paging, read = Paging(page_size, num_pages), PageRead(budget_bucket(int(first.sum()), num_pages))
   step = DecodeStep(StepSettings(
       num_drafts=d.num_drafts, max_new_tokens=max_new_tokens, max_len=capacity, sampled=not d.sampling.greedy,
       acceptance=d.acceptance, relaxed=d.relaxed, tree=tree, draft_masks=draft_masks, mesh=mesh, paging=paging))
   slots = SlotSettings.uniform(b, num_drafts=d.num_drafts, temperature=d.sampling.temperature, top_k=d.sampling.top_k,
                                top_p=d.sampling.top_p, seed=d.seed, eos_token_id=d.eos_token_id)
   if stream is None:
-    s = jit_generate(step, target, proposer, grammar, prompts_BxT, lens_B, gstart_B, slots, b)
+    s = jit_generate(step, target, proposer, grammar, prompts_BxT, lens_B, gstart_B, slots, b, read)
     while not np.asarray(s.done).all():
-      step, s = _resize(step, s, full_len)
-      s = jit_run(step, target, proposer, grammar, s)
+      step, read, s = _resize(step, read, s, full_len)
+      s = jit_run(step, target, proposer, grammar, s, read)
   else:
     s = jit_prefill(step, target, proposer, grammar, step.init(target, proposer, grammar, b), prompts_BxT,
                     lens_B, np.ones((b,), bool), gstart_B, np.full((b,), max_new_tokens, np.int32), slots)
@@ -168,9 +168,9 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
       seen = num_out
       if done.all():
         break
-      if not bool(jit_fits(step, s)):
-        step, s = _resize(step, s, full_len)
-      s = jit_step(step, target, proposer, grammar, s)
+      if not bool(jit_fits(step, s, read)):
+        step, read, s = _resize(step, read, s, full_len)
+      s = jit_step(step, target, proposer, grammar, s, read)
   return _output(s, d.num_drafts)
 
 
@@ -190,20 +190,19 @@ def _constrained(grammar, constrained, batch_size: int) -> np.ndarray:
   return np.array([validate.flag(f"constrained[{i}]", c) for i, c in enumerate(constrained)], bool)
 
 
-def _resize(step: DecodeStep, s: LoopState, full_len: int) -> tuple[DecodeStep, LoopState]:
-  """The step and state with room for the next step: contiguous caches of twice the rows (at most
-  full_len), or paged, the page budget of the pages the next step may hold."""
+def _resize(step: DecodeStep, read: PageRead, s: LoopState, full_len: int) -> tuple[DecodeStep, PageRead, LoopState]:
+  """The step, page read and state with room for the next step: contiguous caches of twice the
+  rows (at most full_len), or paged, a read whose budget holds the pages the next step may hold."""
   st = step.settings
   if st.paging is not None:  # paged caches always hold full_len rows: only the budget grows
     budget = budget_bucket(int(jit_pages_needed(step, s, step.rows_next(s))), st.paging.num_pages)
-    if budget <= st.paging.budget:
-      raise RuntimeError(f"generate: a page budget of {st.paging.budget} pages is full; this is a bug")
-    step = DecodeStep(st.with_budget(budget))
-  else:
-    if st.max_len >= full_len:  # full_len rows hold every step (generate checks max_len against it)
-      raise RuntimeError(f"generate: caches of {st.max_len} rows are full; this is a bug")
-    step = step.replace(max_len=min(2 * st.max_len, full_len))
-  return step, step.resized(s)
+    if budget <= read.budget:
+      raise RuntimeError(f"generate: a page budget of {read.budget} pages is full; this is a bug")
+    return step, PageRead(budget), s
+  if st.max_len >= full_len:  # full_len rows hold every step (generate checks max_len against it)
+    raise RuntimeError(f"generate: caches of {st.max_len} rows are full; this is a bug")
+  step = step.replace(max_len=min(2 * st.max_len, full_len))
+  return step, read, step.resized(s)
 
 
 def _output(s: LoopState, k: int) -> GenerateOutput:

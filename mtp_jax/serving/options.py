@@ -17,7 +17,7 @@ import numpy as np
 
 from mtp_jax import grammar as grammar_lib
 from mtp_jax import validate
-from mtp_jax.blocks.paged import check_paging
+from mtp_jax.blocks.pages import check_paging
 from mtp_jax.mtp import MtpModel
 from mtp_jax.target import TargetModel
 from mtp_jax.tree import TreeSpec, check_tree
@@ -60,14 +60,11 @@ class Relaxed:
 
 @dataclasses.dataclass(frozen=True)
 class Paging:
-  """Paged caches: num_pages pages of page_size rows per layer; attention reads `budget` pages
-  per call, or with a `span` the first span pages of every slot (blocks/paged.py), raised or
-  lowered by the host between jitted calls."""
+  """Paged caches: num_pages pages of page_size rows per layer (blocks/paged.py). How each call
+  reads them (a `PageRead`: a page budget or span) is an argument of that call, not a setting."""
 
   page_size: int
   num_pages: int
-  budget: int
-  span: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,9 +122,6 @@ class StepSettings:
   def rows_per_step(self) -> int:
     """Target rows a decode step writes per sequence: [last, d_1..d_k], or the root and the tree's N nodes."""
     return (self.verify_width if self.tree is None else self.tree.num_nodes) + 1
-
-  def with_budget(self, budget: int, span: int | None = None) -> "StepSettings":
-    return dataclasses.replace(self, paging=dataclasses.replace(self.paging, budget=budget, span=span))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 
 from mtp_jax import proposer as prop
 from mtp_jax.sampling import NOISE_ACCEPT, NOISE_DRAFT, NOISE_TARGET, Draws, position_keys
+from mtp_jax.blocks import PageRead
+from mtp_jax.blocks.pages import WHOLE_POOL
 from mtp_jax.serving.options import StepSettings
 from mtp_jax.serving.state import SlotSettings
 from mtp_jax.tree import TreeSpec
@@ -180,17 +182,17 @@ class Drafter:
   verify_width: int | None = None
 
   def draft(self, proposer, grammar, pstate, hid_BxTxD, tokens_BxT, num_new_B, gstate_B, slots: SlotSettings,
-            positions_B):
+            positions_B, read: PageRead = WHOLE_POOL):
     """(drafts int32[B, num_drafts] (zeros past the drafted ones) or the tree's int32[B, N], a
     tree's draft distributions float32[B, M, V] or None, new state); positions_B int32[B]: the
-    output position of the first draft."""
+    output position of the first draft; read: how a paged state's call reads its pages."""
     masked = self.draft_masks != "none" and grammar is not None
     gumbel = self.acceptance == "gumbel"
     narrow = (self.tree is None and self.verify_width is not None and self.verify_width < self.num_drafts
               and proposer.cfg.num_depths == self.num_drafts)
     settings = prop.ProposeSettings(self.verify_width if narrow else self.num_drafts, catch_up=narrow,
                                     tree=self.tree, grammar_per_position=self.draft_masks == "per_position",
-                                    tree_draws="top" if gumbel else "independent")
+                                    tree_draws="top" if gumbel else "independent", read=read)
     draws = None
     if self.sampled:
       draws = Draws.of(slots.sampling, slots.keys, NOISE_TARGET if gumbel else NOISE_DRAFT, positions_B)

@@ -7,8 +7,8 @@
     verifier  `VerifyPlain` (no proposer), `VerifyChain`, `VerifyTree` (Gumbel acceptance or
               rejection sampling; greedy slots exactly greedy), `VerifyRelaxed`, `VerifyTreeRelaxed`
     caches    the target's and the proposer's states own theirs: dense or paged, GQA or MLA,
-              on a mesh or not; the step only asks them for out-of-pages flags, page needs,
-              budgets and growth
+              on a mesh or not; the step only asks them for out-of-pages flags, page needs
+              and growth
 
 Per sequence b the loop state (serving/state.py) keeps `last[b]`, the newest emitted token (not
 yet run by the target), and `drafts[b]`, the k drafts (or N tree nodes) that follow it. A step
@@ -32,7 +32,10 @@ admissions), and `run_for` likewise decodes a group of slots. `prefill_part` wri
 prompt in parts. `generate` and the Engine are drivers over these functions, through their
 jitted entry points in serving/jit.py, one per job (`jit_prefill`, `jit_prefill_part`,
 `jit_step`, `jit_run`, `jit_run_for`, `jit_free`; the slot group is an argument, not a variant).
-A call over some slots reads a page span sized for theirs (`span_needed(..., idx_A)`).
+Paged, how a call reads its pages is per-call data: each entry point takes a static `read`
+(`PageRead`: a page budget, or a span), which the model calls turn into the attention metadata
+their layers read with; the state never holds one. A call over some slots reads a page span
+sized for theirs (`span_needed(..., idx_A)`).
 """
 
 from __future__ import annotations
@@ -46,9 +49,10 @@ import jax.numpy as jnp
 from mtp_jax import grammar as grammar_lib
 from mtp_jax import proposer as prop
 from mtp_jax import sharding
-from mtp_jax.blocks import Pages
+from mtp_jax.blocks import PageRead
 from mtp_jax.blocks.axes import put_slots, take_slots
-from mtp_jax.serving.options import Paging, StepSettings
+from mtp_jax.blocks.pages import WHOLE_POOL
+from mtp_jax.serving.options import StepSettings
 from mtp_jax.serving.parts import Drafter, Verifier, draw_tokens, pick_verifier
 from mtp_jax.serving.state import Deferred, LoopState, SlotSettings, StepCounts
 from mtp_jax.target import compact_target, init_target_state, reset_target_slots, target_step, trim_target
@@ -118,9 +122,8 @@ class DecodeStep:
     return st.sampled and st.acceptance == "rejection"
 
   def placed(self, s: LoopState) -> LoopState:
-    """s with its states' page budgets and, on a mesh, their shardings as the settings say."""
+    """s with, on a mesh, its states' shardings as the settings say."""
     st = self.settings
-    s = self._budgeted(s, st.paging)
     tstate, pstate = s.target, s.proposer
     if st.mesh is not None:
       tstate = sharding.shard_state(tstate, st.mesh)
@@ -129,7 +132,7 @@ class DecodeStep:
 
   def resized(self, s: LoopState) -> LoopState:
     """s fitted to these settings (host side, between jitted calls): contiguous caches grown to
-    max_len rows and the output widened; paged, the page budget set. Rows and tokens are kept."""
+    max_len rows and the output widened. Rows and tokens are kept."""
     st = self.settings
     if st.paging is None and s.target.max_len < st.max_len:
       pstate = None if s.proposer is None else s.proposer.grown(st.max_len)
@@ -155,19 +158,19 @@ class DecodeStep:
     distinct slots alone (num_new_B read as A): the span of a call over those slots, which reads
     their pages only."""
     if idx_A is not None:
-      s = self._take(s, idx_A)
+      s = take_slots(s, idx_A)
     need = s.target.span_needed(num_new_B)
     return need if s.proposer is None else jnp.maximum(need, s.proposer.span_needed(num_new_B))
 
-  def fits(self, s: LoopState) -> jax.Array:
+  def fits(self, s: LoopState, read: PageRead = WHOLE_POOL) -> jax.Array:
     """bool[]: every unfinished slot has room for one more step in the caches and, paged, the
-    pages the step may hold are within the page budget."""
+    pages the step may hold are within read's budget and span."""
     st = self.settings
     fits = jnp.all(s.done | (s.target.length + st.rows_per_step <= st.max_len))
-    if st.paging is not None:
-      fits &= self.pages_needed(s, self.rows_next(s)) <= st.paging.budget
-    if st.paging is not None and st.paging.span is not None:
-      fits &= self.span_needed(s, self.rows_next(s)) <= st.paging.span
+    if st.paging is not None and read.budget is not None:
+      fits &= self.pages_needed(s, self.rows_next(s)) <= read.budget
+    if st.paging is not None and read.span is not None:
+      fits &= self.span_needed(s, self.rows_next(s)) <= read.span
     return fits
 
   # -- on device --
@@ -188,7 +191,7 @@ class DecodeStep:
     return s.set(out=out, num_out=num_out, done=done), n
 
   def prefill(self, target, proposer, grammar, s: LoopState, prompts_BxT, lens_B, admit_B, gstart_B,
-              max_new_B, slots: SlotSettings, idx_A=None) -> LoopState:
+              max_new_B, slots: SlotSettings, idx_A=None, read: PageRead = WHOLE_POOL) -> LoopState:
     """Admits prompts_BxT (int32[B, T], lens_B int32[B] long) into the slots where admit_B (bool[B]):
     writes their prompt rows, emits their first token (from grammar state gstart_B, int32[B]:
     grammar.FREE decodes free of it) and drafts, and stops each after max_new_B (int32[B],
@@ -200,17 +203,17 @@ class DecodeStep:
     slots' (B read as A), in idx_A's order, and only they are computed (a prefill over all B slots
     costs B x T rows of the target for the few admitted). A slot whose earlier prompt parts
     `prefill_part` wrote gets its last part here: its rows continue after them. Not on a mesh
-    (A need not divide the data axis)."""
+    (A need not divide the data axis). read: how the call reads its pages (static `PageRead`)."""
     if idx_A is not None:
       return self._on_slots(s, idx_A, lambda sub: self.prefill(
-          target, proposer, grammar, sub, prompts_BxT, lens_B, admit_B, gstart_B, max_new_B, slots))
+          target, proposer, grammar, sub, prompts_BxT, lens_B, admit_B, gstart_B, max_new_B, slots, read=read))
     b = admit_B.shape[0]
     zero = lambda x: jnp.where(admit_B, 0, x)
     one = admit_B.astype(jnp.int32)
     s = s.set(num_out=zero(s.num_out), done=s.done & ~admit_B, max_new=jnp.where(admit_B, max_new_B, s.max_new),
               counts=s.counts.admitted(admit_B), slots=slots.where(admit_B, s.slots),
               deferred=None if s.deferred is None else s.deferred.emptied(admit_B))
-    logits, hid, tstate = target_step(target, s.target, prompts_BxT, jnp.where(admit_B, lens_B, 0))
+    logits, hid, tstate = target_step(target, s.target, prompts_BxT, jnp.where(admit_B, lens_B, 0), read=read)
     gstate_B = s.grammar_state
     if grammar is not None:
       gstate_B = jnp.where(admit_B, gstart_B, gstate_B)
@@ -232,7 +235,7 @@ class DecodeStep:
     tokens = jnp.concatenate([prompts_BxT[:, 1:], prompts_BxT[:, :1]], axis=1)
     tokens = tokens.at[jnp.arange(b), jnp.maximum(lens_B - 1, 0)].set(first_B)
     drafts, tree_probs, pstate = self.drafter.draft(proposer, grammar, pstate, hid, tokens, jnp.where(ok_B, lens_B, 0),
-                                                    gstate_B, s.slots, s.num_out)
+                                                    gstate_B, s.slots, s.num_out, read)
     keep = lambda new, prev: jnp.where(admit_B.reshape((b,) + (1,) * (new.ndim - 1)), new, prev)
     pstate = pstate.set(num_drafted=keep(pstate.num_drafted, old.num_drafted),
                         draft_probs=None if old.draft_probs is None else keep(pstate.draft_probs, old.draft_probs))
@@ -240,48 +243,34 @@ class DecodeStep:
               tree_probs=None if s.tree_probs is None else keep(tree_probs, s.tree_probs))
     return self._stop_out_of_pages(s)
 
-  def prefill_part(self, target, proposer, grammar, s: LoopState, slot_1, prompt_1xT, len_1, next_1xT) -> LoopState:
+  def prefill_part(self, target, proposer, grammar, s: LoopState, slot_1, prompt_1xT, len_1, next_1xT,
+                   read: PageRead = WHOLE_POOL) -> LoopState:
     """Writes one part of a prompt, not its last, into slot slot_1 (int32[1]): prompt_1xT (int32[1, T],
     len_1 (int32[1]) tokens of it) continue the slot's target and proposer rows; next_1xT holds
     the token after each (the prompt shifted by one). Nothing is emitted or drawn: the slot stays
     done (not decoding) until `prefill` admits the prompt's last part. Only that slot is
     computed, so a long prompt costs the running requests one part per call, not the whole."""
     def part(sub: LoopState) -> LoopState:
-      _, hid, tstate = target_step(target, sub.target, prompt_1xT, len_1)
+      _, hid, tstate = target_step(target, sub.target, prompt_1xT, len_1, read=read)
       sub = sub.set(target=tstate)
       if proposer is None:
         return sub
       # Its drafts are never read (the last part's propose treats them as rejected).
       _, _, pstate = self.drafter.draft(proposer, None, sub.proposer, hid, next_1xT, len_1, None, sub.slots,
-                                        sub.num_out)
+                                        sub.num_out, read)
       return sub.set(proposer=pstate)
     return self._on_slots(s, slot_1, part)
 
-  def _take(self, s: LoopState, idx_A) -> LoopState:
-    """The A-slot state of slots idx_A (the slot axes each state field declares), reading this
-    step's page budget and span."""
-    return self._budgeted(take_slots(s, idx_A), self.settings.paging)
-
   def _on_slots(self, s: LoopState, idx_A, fn) -> LoopState:
-    """fn applied to the A-slot state of slots idx_A (int32[A], distinct), its slots put back.
-    The A slots' calls read this step's page budget and span (sized for their pages by the
-    caller, with `span_needed`); the whole state keeps its own."""
-    return put_slots(s, self._budgeted(fn(self._take(s, idx_A)), s.target.pages), idx_A)
-
-  @staticmethod
-  def _budgeted(s: LoopState, paging: Paging | Pages | None) -> LoopState:
-    """s whose states' calls read paging's budget and span (unchanged when contiguous or paging is None)."""
-    if paging is None:
-      return s
-    pstate = None if s.proposer is None else s.proposer.with_page_budget(paging.budget, paging.span)
-    return s.set(target=s.target.with_page_budget(paging.budget, paging.span), proposer=pstate)
+    """fn applied to the A-slot state of slots idx_A (int32[A], distinct), its slots put back."""
+    return put_slots(s, fn(take_slots(s, idx_A)), idx_A)
 
   def _stop_out_of_pages(self, s: LoopState) -> LoopState:
     # A sequence refused a page stops; the others go on (its pages and rows are its own).
     return s.set(done=s.done | s.out_of_pages)
 
-  def __call__(self, target, proposer, grammar, s: LoopState) -> LoopState:
-    """One decode step over every slot (done slots pass through)."""
+  def __call__(self, target, proposer, grammar, s: LoopState, read: PageRead = WHOLE_POOL) -> LoopState:
+    """One decode step over every slot (done slots pass through); read: how it reads its pages."""
     st = self.settings
     k, tree = st.verify_width, st.tree
     b = s.last.shape[0]
@@ -289,7 +278,8 @@ class DecodeStep:
     drafts_BxK = s.drafts if tree is not None else s.drafts[:, :k]  # the drafts this step verifies
     inp_BxR = jnp.concatenate([s.last[:, None], drafts_BxK], axis=1)  # with a tree: [last, its N nodes]
     old_len = s.target.length
-    logits, hid, tstate = target_step(target, s.target, inp_BxR, jnp.where(active_B, inp_BxR.shape[1], 0), tree)
+    logits, hid, tstate = target_step(target, s.target, inp_BxR, jnp.where(active_B, inp_BxR.shape[1], 0), tree,
+                                      read=read)
     active_B = active_B & ~tstate.out_of_pages  # its logits are meaningless: emit nothing
     allowed_BxN = None
     if grammar is not None:
@@ -331,7 +321,7 @@ class DecodeStep:
     pstate = prop.after_verify(s.proposer, a_B)
     num_new = jnp.where(s2.done, 0, a_B + 1)
     draft = lambda pstate, hid, tokens, num_new: self.drafter.draft(proposer, grammar, pstate, hid, tokens, num_new,
-                                                                    s2.grammar_state, s2.slots, s2.num_out)
+                                                                    s2.grammar_state, s2.slots, s2.num_out, read)
     deferred = s.deferred
     if deferred is None:
       drafts, tree_probs, pstate = draft(pstate, hid, new_BxK1, num_new)
@@ -348,34 +338,32 @@ class DecodeStep:
     tree_probs = None if s.tree_probs is None else tree_probs  # kept for rejection sampling only
     return self._stop_out_of_pages(s2.set(proposer=pstate, drafts=drafts, tree_probs=tree_probs, deferred=deferred))
 
-  def run(self, target, proposer, grammar, s: LoopState) -> LoopState:
-    """Steps until every slot is done or one would outgrow the caches or the page budget (then
-    the host resizes: `resized`)."""
-    return jax.lax.while_loop(lambda s: ~jnp.all(s.done) & self.fits(s),
-                              lambda s: self(target, proposer, grammar, s), s)
+  def run(self, target, proposer, grammar, s: LoopState, read: PageRead = WHOLE_POOL) -> LoopState:
+    """Steps until every slot is done or one would outgrow the caches or read's page budget
+    (then the host resizes: `resized`, or a larger read)."""
+    return jax.lax.while_loop(lambda s: ~jnp.all(s.done) & self.fits(s, read),
+                              lambda s: self(target, proposer, grammar, s, read), s)
 
-  def run_for(self, target, proposer, grammar, s: LoopState, max_steps, idx_A=None) -> LoopState:
+  def run_for(self, target, proposer, grammar, s: LoopState, max_steps, idx_A=None,
+              read: PageRead = WHOLE_POOL) -> LoopState:
     """Up to max_steps (int32[], a value: one compile for every count) steps on device, ending
     after the step in which a slot finishes (its slot can then be refilled) or before one that
-    would not fit: a serving loop's host round trip per call instead of per step. The steps read
-    this step's page budget and span; the state keeps its own.
+    would not fit read's page budget and span: a serving loop's host round trip per call
+    instead of per step.
 
     idx_A: None (every slot), or int32[A] distinct slots: only they are computed. The Engine
     passes its running slots (padded to a power of two with idle ones), so a step over a few
     running requests costs a few slots' rows, not all B (the page pools are shared, so only the
     per-slot arrays are gathered and put back)."""
     if idx_A is not None:
-      return self._on_slots(s, idx_A, lambda sub: self.run_for(target, proposer, grammar, sub, max_steps))
+      return self._on_slots(s, idx_A, lambda sub: self.run_for(target, proposer, grammar, sub, max_steps, read=read))
     running_B = ~s.done
-    stored = s.target.pages  # the state's own paging, given back at the end (see `_on_slots`)
-    s = self._budgeted(s, self.settings.paging)
 
     def go_on(c):
       i, s = c
-      return (i < max_steps) & ~jnp.any(running_B & s.done) & ~jnp.all(s.done) & self.fits(s)
+      return (i < max_steps) & ~jnp.any(running_B & s.done) & ~jnp.all(s.done) & self.fits(s, read)
 
-    s = jax.lax.while_loop(go_on, lambda c: (c[0] + 1, self(target, proposer, grammar, c[1])), (0, s))[1]
-    return self._budgeted(s, stored)
+    return jax.lax.while_loop(go_on, lambda c: (c[0] + 1, self(target, proposer, grammar, c[1], read)), (0, s))[1]
 
   def free(self, s: LoopState, mask_B) -> LoopState:
     """Empties the slots where mask_B (bool[B]): done, and their pages back to the pools."""
