@@ -185,6 +185,9 @@ def _serve(args) -> int:
                   num_drafts=num_drafts or None, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                   eos_token_id=model.eos_token_id, seed=args.seed, tree=args.tree, max_waiting=args.max_waiting,
                   steps_per_call=args.steps_per_call, prefill_chunk=args.prefill_chunk, acceptance=args.acceptance)
+  if args.calibrate or args.draft_policy is not None:
+    from mtp_jax.serving.calibrate import measured_policy
+    measured_policy(engine, args.draft_policy)
   return server.serve(engine, model, host=args.host, port=args.port, warmup=not args.no_warmup,
                       shutdown_timeout=args.shutdown_timeout, log_level=args.log_level)
 
@@ -329,6 +332,12 @@ def build_parser() -> argparse.ArgumentParser:
   p.add_argument("--num-drafts", type=_drafts_arg, default=None,
                  help='drafts per step: "auto" (the default; the engine verifies as many as pay at the '
                       "current load), k in 1..K, or 0 to serve without the MTP modules (with --tree: its depth)")
+  p.add_argument("--calibrate", action="store_true",
+                 help='with --num-drafts "auto": time every width at every batch bucket before listening, '
+                      "so the engine picks widths from measured step times, not by trying them on traffic")
+  p.add_argument("--draft-policy", default=None, metavar="FILE",
+                 help="the measured cost model of --calibrate, read from FILE when it exists, else measured "
+                      "and written there (a later start on the same machine and models reuses it)")
   p.add_argument("--prefill-chunk", type=int, default=None, metavar="TOKENS",
                  help="write longer prompts in parts of this many tokens, between the running requests' steps "
                       "(default: whole prompts)")

@@ -4,10 +4,12 @@ import functools
 import time
 
 import jax
+import numpy as np
 import pytest
 
 import mtp_jax
 from mtp_jax import Engine, grammar
+from mtp_jax.serving.calibrate import measured_policy
 from mtp_jax.serving.policy import DraftPolicy
 
 from test_generate import K, PROPOSER5, TARGET5
@@ -470,3 +472,53 @@ def test_policy_turns_speculation_off_when_drafts_are_rejected_and_probes_back()
   assert picks.count(1) == 2 and set(picks) == {0, 1}
   policy.observe([200, 0, 0], [200, 0, 0])  # the probes find position 0 always accepted
   assert policy.choose(4) > 0
+
+
+def test_requests_weigh_by_their_own_acceptance():
+  """The pooled counts say drafts pay; requests whose own drafts were all rejected count one token
+  a step each, so a batch of them turns speculation off while a batch like the pool keeps it."""
+  policy = DraftPolicy(K)
+  for k in range(K + 1):
+    policy.record(k, 4, 1.0 + 0.3 * k)
+  policy.choices[4] = 1  # no probe or runner-up rerun in the calls below
+  policy.observe([60, 40, 20], [100] * K)
+  assert policy.request_scale(0, 0) == pytest.approx(1.0)  # no drafts of its own yet: like the pool
+  rejected = policy.request_scale(0, 40)
+  assert rejected < 0.1 and policy.request_scale(40, 40) > 1.5
+  assert policy.choose(4, [1.0] * 4) == policy.choose(4) > 0
+  assert policy.choose(4, [rejected] * 4) == 0
+  assert policy.choose(4, [rejected] * 3 + [1.0]) < policy.choose(4)
+
+
+def test_each_request_reports_its_acceptance():
+  engine = Engine(TARGET5, PROPOSER5, **SETTINGS)  # SETTINGS: num_drafts=K
+  ids = [engine.add_request(p, 12) for p in ([1, 2, 3], [4, 0])]
+  engine.run()
+  for rid in ids:
+    st = engine.requests[rid].stats
+    assert st["drafts_verified"] == K * st["verify_calls"] and 0 <= st["drafts_accepted"] <= st["drafts_verified"]
+    assert st["acceptance"] == st["drafts_accepted"] / st["drafts_verified"]
+  m = engine.metrics()
+  want = np.quantile([engine.requests[rid].stats["acceptance"] for rid in ids], 0.5)
+  assert m["request_acceptance_p50"] == pytest.approx(want)
+  assert 'mtp_jax_request_acceptance{quantile="0.5"}' in mtp_jax.serving.prometheus_text(m)
+
+
+def test_a_measured_policy_round_trips_through_json_and_starts_a_served_engine(tmp_path):
+  policy = DraftPolicy(K)
+  policy.record(2, 3, 0.02, steps=4)
+  policy.record(0, 1, 0.01)
+  policy.observe([5, 3, 1], [9, 9, 9])
+  again = DraftPolicy.from_json(policy.to_json())
+  assert again.seconds == policy.seconds and again.rates() == policy.rates()
+  assert again.choose(3) == policy.choose(3)
+  with pytest.raises(ValueError, match="not a DraftPolicy's JSON"):
+    DraftPolicy.from_json('{"max_drafts": 3}')
+  path = tmp_path / "policy.json"
+  path.write_text(policy.to_json())
+  engine = Engine(TARGET5, PROPOSER5, **dict(SETTINGS, num_drafts="auto"))
+  measured_policy(engine, str(path))  # `mtp-jax serve --draft-policy FILE`: read when FILE exists
+  assert engine.policy.seconds == policy.seconds
+  path.write_text(DraftPolicy(K + 1).to_json())
+  with pytest.raises(ValueError, match="measured for K=4 drafts, the proposer has K=3"):
+    measured_policy(engine, str(path))

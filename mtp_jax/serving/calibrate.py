@@ -1,7 +1,9 @@
-"""`Engine.calibrate`: the step-time cost model of num_drafts="auto", measured before traffic."""
+"""`Engine.calibrate`: the step-time cost model of num_drafts="auto", measured before traffic, and
+`measured_policy`, which keeps it in a file for later engines (`mtp-jax serve --draft-policy`)."""
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING
 
 from mtp_jax import validate
@@ -48,4 +50,25 @@ def calibrate(engine: Engine, *, calls: int = 3, prompt_len: int = 16) -> DraftP
         engine.forget(rid)
   policy.accepted_at, policy.proposed_at = acceptance
   engine.tally = tally  # the synthetic requests are no traffic: metrics() reads as before them
+  return policy
+
+
+def measured_policy(engine: Engine, path: str | None = None) -> DraftPolicy:
+  """Starts an idle num_drafts="auto" engine from a measured cost model: the `DraftPolicy` in the
+  JSON file `path` when it exists (measured for the same K), else one measured now with
+  `calibrate`, then written to `path` (when given). Returns the engine's policy."""
+  if engine.policy is None:
+    raise validate.InvalidValue("num_drafts", 'a measured policy serves num_drafts="auto": this engine has none')
+  if path is not None and os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      policy = DraftPolicy.from_json(f.read())
+    if policy.max_drafts != engine.max_drafts:
+      raise validate.InvalidValue("draft_policy", f"{path} was measured for K={policy.max_drafts} drafts, "
+                                                  f"the proposer has K={engine.max_drafts}")
+    engine.policy = policy
+    return policy
+  policy = calibrate(engine)
+  if path is not None:
+    with open(path, "w", encoding="utf-8") as f:
+      f.write(policy.to_json())
   return policy

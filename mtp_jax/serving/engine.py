@@ -201,7 +201,7 @@ class Engine:
 
   def _end_request(self, req: Request, status: str, now: float) -> None:
     req.status, req.finished_at = status, now
-    self.tally.ended[status] += 1
+    self.tally.request_ended(status, req.drafts_verified, req.drafts_accepted)
 
   def forget(self, request_id: int) -> Request:
     """Removes an ended request's record from `requests` and returns it, so a long-running engine
@@ -278,7 +278,8 @@ class Engine:
     running = [self.requests[rid] for rid in self._slots if rid is not None]
     k = max((r.num_drafts for r in running if r.num_drafts != "auto"), default=0)
     if any(r.num_drafts == "auto" for r in running):
-      k = max(k, self.policy.choose(len(running)))
+      scales = [self.policy.request_scale(r.drafts_accepted, r.drafts_verified) for r in running]
+      k = max(k, self.policy.choose(len(running), scales))
     if k != self._step.settings.verify_width:
       self._step = self._step.replace(verify_drafts=None if k == self.max_drafts else k)
       self._next_span = None  # read for the old width's rows
@@ -388,8 +389,8 @@ class Engine:
     """(the tokens each running request gained, decode steps the last call ran)."""
     s = self._s
     # The next step's page need comes in the same read: freeing slots only lowers it.
-    num_out, out, done, oom, verify_calls, read_at, self._next_span = jax.device_get(
-        (s.num_out, s.out, s.done, s.out_of_pages, s.counts.verify_calls,
+    num_out, out, done, oom, verify_calls, verified, accepted, read_at, self._next_span = jax.device_get(
+        (s.num_out, s.out, s.done, s.out_of_pages, s.counts.verify_calls, s.counts.drafts_verified, s.counts.accepted,
          jnp.stack([s.counts.accepted_at, s.counts.proposed_at]),
          jit_span_needed(self._base, s, self._step.rows_next(s) * self.steps_per_call)))
     self._next_span = int(self._next_span)
@@ -410,6 +411,7 @@ class Engine:
       steps = max(steps, int(verify_calls[slot]) - req.verify_calls)
       self.tally.verify_steps += int(verify_calls[slot]) - req.verify_calls
       req.verify_calls = int(verify_calls[slot])
+      req.drafts_verified, req.drafts_accepted = int(verified[slot]), int(accepted[slot])
       gained[rid] = new
       if new:
         self.tally.tokens_arrived(len(new), now, req.arrived_at, req.last_token_at)

@@ -39,6 +39,7 @@ DESCRIPTIONS = {
     "step_seconds_mean": ("gauge", "Mean wall time of such a call (host round trip included)."),
     "ttft_seconds": ("summary", "Time from add_request to the first token."),
     "itl_seconds": ("summary", "Time between a request's tokens (a step's tokens share its gap)."),
+    "request_acceptance": ("summary", "Drafts accepted over drafts verified, per ended request that verified any."),
 }
 
 
@@ -64,12 +65,14 @@ class Tally:
   """An engine's host-side counters, kept as requests end so forgotten requests still count.
 
   ended: ended requests by status; accepted_at / proposed_at int64[K]: verify steps whose draft i
-  was accepted / verified, as last read from the device (cumulative).
+  was accepted / verified, as last read from the device (cumulative); acceptance: each ended
+  request's drafts accepted over drafts verified (`request_ended`).
   """
 
   max_drafts: int
   ttft: Samples = dataclasses.field(default_factory=Samples)
   itl: Samples = dataclasses.field(default_factory=Samples)
+  acceptance: Samples = dataclasses.field(default_factory=Samples)
   calls: int = 0
   call_seconds: float = 0.0
   verify_steps: int = 0
@@ -87,6 +90,12 @@ class Tally:
   def copy(self) -> "Tally":
     """A deep copy (a snapshot to restore: `Engine.calibrate` leaves the metrics as they were)."""
     return copy.deepcopy(self)
+
+  def request_ended(self, status: str, drafts_verified: int, drafts_accepted: int) -> None:
+    """A request ended with `status` after drafts_verified drafts were verified, drafts_accepted accepted."""
+    self.ended[status] += 1
+    if drafts_verified:
+      self.acceptance.add(drafts_accepted / drafts_verified)
 
   def tokens_arrived(self, count: int, now: float, arrived_at: float, last_token_at: float | None) -> None:
     """count tokens of one request came at `now`: its first ones (last_token_at None) add a TTFT
@@ -110,7 +119,8 @@ class Tally:
         drafts_accepted_at=self.accepted_at.tolist(),
         mean_accepted_length=(accepted / self.verify_steps + 1) if self.verify_steps else math.nan,
         steps_total=self.calls, step_seconds_mean=self.call_seconds / self.calls if self.calls else math.nan,
-        **self.ttft.quantiles("ttft_seconds"), **self.itl.quantiles("itl_seconds"))
+        **self.ttft.quantiles("ttft_seconds"), **self.itl.quantiles("itl_seconds"),
+        **self.acceptance.quantiles("request_acceptance"))
 
 
 def prometheus_text(metrics: dict, *, prefix: str = "mtp_jax_") -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import typing
 
 import jax
@@ -40,7 +41,11 @@ class DraftPolicy:
   first; a width not timed there takes the widest one's time there scaled by their ratio at the
   nearest bucket that timed both, or is tried when no bucket did (widest first). A width chosen on
   an estimate is timed as it runs, so an estimate that flattered it is replaced after one call, and
-  a stream's smaller buckets (its tail) do not spend their few calls timing every width. Every 4th
+  a stream's smaller buckets (its tail) do not spend their few calls timing every width. Requests
+  weigh by their own acceptance (`request_scale`): a request whose drafts are rejected adds its one
+  token per step and nothing for the drafts, so a batch of such requests turns speculation off
+  (and a probe brings it back for them when their drafts start to pass), while the others keep
+  drafting; with one request running this is a per-request switch. Every 4th
   call at a bucket runs the runner-up instead when it is within a tenth of the best (call times here
   move by that much, so such widths are ranked by noise until timed again). A call during which JAX
   built a program (traced, then compiled or read it from a cache) is not a sample. So a step drafts
@@ -67,7 +72,9 @@ class DraftPolicy:
   def bucket(num_running: int) -> int:
     return 1 << max(0, num_running - 1).bit_length()
 
-  def choose(self, num_running: int) -> int:
+  def choose(self, num_running: int, scales: list[float] | None = None) -> int:
+    """The width of the next call with num_running requests; scales: the running requests' own
+    acceptance relative to the pooled one (`request_scale`; None: every request at 1)."""
     b, widest = self.bucket(num_running), self.max_drafts
     if not self.seconds.get((widest, b)):
       return widest  # it sets the scale of the bucket's other widths
@@ -77,7 +84,10 @@ class DraftPolicy:
       if seconds[k] is None:
         return k  # nothing to estimate it from: try it
     rate = self.rates()
-    gain = {k: (1 + sum(rate[:k])) / seconds[k] for k in range(widest + 1)}
+    scales = [1.0] * num_running if scales is None else scales
+    # Tokens a step gives each request: its one, plus the drafts it is expected to keep.
+    tokens = {k: sum(1 + sum(min(1.0, c * r) for r in rate[:k]) for c in scales) for k in range(widest + 1)}
+    gain = {k: tokens[k] / seconds[k] for k in range(widest + 1)}
     best = max(gain, key=gain.get)  # a tie: the narrowest
     self.choices[b] = self.choices.get(b, 0) + 1
     if best == 0 and widest and self.choices[b] % self.PROBE_EVERY == 0:
@@ -97,6 +107,15 @@ class DraftPolicy:
     w = self.PRIOR_WEIGHT
     return [(a + w * 0.5 ** (i + 1)) / (p + w) for i, (a, p) in enumerate(zip(self.accepted_at, self.proposed_at))]
 
+  def request_scale(self, drafts_accepted: int, drafts_verified: int) -> float:
+    """A request's acceptance over the pooled one (1: like the rest): its drafts accepted over
+    drafts verified, blended with the pooled rate worth PRIOR_WEIGHT drafts, so a request that has
+    verified few drafts counts as the others do and one whose drafts fail falls towards 0."""
+    w, k = self.PRIOR_WEIGHT, self.max_drafts
+    prior = sum(w * 0.5 ** (i + 1) for i in range(k))
+    pooled = (int(self.accepted_at.sum()) + prior) / (int(self.proposed_at.sum()) + w * k)
+    return (drafts_accepted + w * pooled) / (drafts_verified + w) / pooled
+
   def _estimate(self, k: int, bucket: int) -> float | None:
     """Seconds of a step at width k and bucket, not timed there: the widest width's time there
     times k's ratio to it at the nearest bucket that timed both (None if none did)."""
@@ -112,6 +131,30 @@ class DraftPolicy:
     (a ratio of sums, so a call cut short after one step weighs one step, not a whole call)."""
     samples = self.seconds[(k, bucket)]
     return sum(s for s, _ in samples) / sum(n for _, n in samples)
+
+  def to_json(self) -> str:
+    """The measurements as JSON (`from_json` reads them back): a policy measured once on a machine
+    (`Engine.calibrate`) serves later engines on the same models and machine."""
+    seconds = [[k, b, [list(x) for x in samples]] for (k, b), samples in sorted(self.seconds.items())]
+    return json.dumps(dict(max_drafts=self.max_drafts, seconds=seconds, accepted_at=self.accepted_at.tolist(),
+                           proposed_at=self.proposed_at.tolist()))
+
+  @classmethod
+  def from_json(cls, text: str) -> "DraftPolicy":
+    """The policy `to_json` wrote (a ValueError names what is malformed)."""
+    try:
+      d = json.loads(text)
+      policy = cls(int(d["max_drafts"]), accepted_at=np.asarray(d["accepted_at"], np.int64),
+                   proposed_at=np.asarray(d["proposed_at"], np.int64))
+      for k, b, samples in d["seconds"]:
+        for seconds, steps in samples:
+          policy.seconds.setdefault((int(k), int(b)), collections.deque(maxlen=16)).append((float(seconds), int(steps)))
+    except (ValueError, KeyError, TypeError) as e:
+      raise ValueError(f"not a DraftPolicy's JSON: {e!r}") from e
+    if policy.accepted_at.shape != (policy.max_drafts,) or policy.proposed_at.shape != (policy.max_drafts,):
+      raise ValueError(f"not a DraftPolicy's JSON: accepted_at / proposed_at must hold max_drafts={policy.max_drafts} "
+                       "counts each")
+    return policy
 
   def record(self, k: int, num_running: int, seconds: float, steps: int = 1) -> None:
     """One timing sample: a call of `steps` decode steps at width k with num_running requests took seconds."""

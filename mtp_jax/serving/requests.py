@@ -45,6 +45,8 @@ class Request:
   pages: int = 0  # pages reserved in each pool while running
   prefilled: int = 0  # prompt tokens written by earlier parts (Engine(prefill_chunk=))
   verify_calls: int = 0
+  drafts_verified: int = 0
+  drafts_accepted: int = 0
   deadline_s: float | None = None
   arrived_at: float = 0.0
   last_token_at: float | None = None
@@ -53,12 +55,15 @@ class Request:
 
   @property
   def stats(self) -> dict:
-    """accepted_length: tokens per verify step (after the first token); ttft_s: time to first
-    token from add_request; tokens_per_s: generated tokens over the request's whole time."""
+    """accepted_length: tokens per verify step (after the first token); acceptance: drafts
+    accepted over drafts verified (NaN before any was verified); ttft_s: time to first token from
+    add_request; tokens_per_s: generated tokens over the request's whole time."""
     n = len(self.tokens)
     end = self.finished_at or time.perf_counter()
     return dict(prompt_tokens=len(self.prompt), generated_tokens=n, verify_calls=self.verify_calls,
                 accepted_length=(n - 1) / self.verify_calls if self.verify_calls else float("nan"),
+                drafts_verified=self.drafts_verified, drafts_accepted=self.drafts_accepted,
+                acceptance=self.drafts_accepted / self.drafts_verified if self.drafts_verified else float("nan"),
                 ttft_s=None if self.first_token_at is None else self.first_token_at - self.arrived_at,
                 tokens_per_s=n / (end - self.arrived_at) if n else 0.0)
 

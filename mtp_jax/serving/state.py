@@ -64,21 +64,23 @@ class SlotSettings:
 @dataclasses.dataclass(frozen=True)
 class StepCounts:
   """What the steps counted, on device: per slot target_calls, verify_calls, accepted (emitted
-  drafts) and target_tokens (emitted target tokens), int32[B]; per draft position, over all
-  slots, accepted_at (steps whose draft i was accepted) and proposed_at (steps whose draft i was
-  verified), int32[k]. Read by the hosts' metrics, never by the step's decisions."""
+  drafts), target_tokens (emitted target tokens) and drafts_verified (the step's width
+  capped by the slot's num_drafts), int32[B]; per draft position, over all slots, accepted_at
+  (steps whose draft i was accepted) and proposed_at (steps whose draft i was verified),
+  int32[k]. Read by the hosts' metrics and the Engine's draft policy, never by the step itself."""
 
   target_calls: jax.Array = axes("batch")
   verify_calls: jax.Array = axes("batch")
   accepted: jax.Array = axes("batch")
   target_tokens: jax.Array = axes("batch")
+  drafts_verified: jax.Array = axes("batch")
   accepted_at: jax.Array = axes(None)
   proposed_at: jax.Array = axes(None)
 
   @classmethod
   def zeros(cls, batch_size: int, num_drafts: int) -> "StepCounts":
     b, k = batch_size, num_drafts
-    return cls(*(jnp.zeros((b,), jnp.int32) for _ in range(4)), jnp.zeros((k,), jnp.int32),
+    return cls(*(jnp.zeros((b,), jnp.int32) for _ in range(5)), jnp.zeros((k,), jnp.int32),
                jnp.zeros((k,), jnp.int32))
 
   def admitted(self, admit_B) -> "StepCounts":
@@ -87,7 +89,8 @@ class StepCounts:
     one = admit_B.astype(jnp.int32)
     zero = lambda x: jnp.where(admit_B, 0, x)
     return dataclasses.replace(self, target_calls=zero(self.target_calls) + one, verify_calls=zero(self.verify_calls),
-                               accepted=zero(self.accepted), target_tokens=zero(self.target_tokens) + one)
+                               accepted=zero(self.accepted), target_tokens=zero(self.target_tokens) + one,
+                               drafts_verified=zero(self.drafts_verified))
 
   def verified(self, active_B, accepted_B, emitted_B, verified_B) -> "StepCounts":
     """After a verify step over the active slots (bool[B]) that accepted accepted_B drafts,
@@ -98,6 +101,7 @@ class StepCounts:
     return StepCounts(target_calls=self.target_calls + active_B, verify_calls=self.verify_calls + active_B,
                       accepted=self.accepted + jnp.minimum(accepted_B, emitted_B),
                       target_tokens=self.target_tokens + (emitted_B == accepted_B + 1),
+                      drafts_verified=self.drafts_verified + jnp.where(active_B, verified_B, 0),
                       accepted_at=self.accepted_at + per_position(accepted_B),
                       proposed_at=self.proposed_at + per_position(verified_B))
 
