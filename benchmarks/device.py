@@ -52,6 +52,7 @@ except ImportError:  # run as `python benchmarks/x.py` from a checkout that is n
 import bandwidth  # noqa: E402  (the reference copies and sums that bandwidth.py times)
 from mtp_jax.blocks import masks  # noqa: E402
 from mtp_jax.blocks.paged import PagedKVCache  # noqa: E402
+from mtp_jax.blocks.pages import AttentionMetadata  # noqa: E402
 
 K = 3  # MTP modules of the random models; the demo models have 3 too
 # Relative logit margin (of max(1, |top logit|)) under which two tokens count as tied: float32 allows
@@ -461,7 +462,8 @@ def section_paged(report: Report, box: Box, models: Models, opts: dict) -> None:
 
 
 def attention_case(batch, rows, kv_heads, groups, head_dim, page_size, length, dtype, seed=0):
-  """A bound PagedKVCache of `batch` slots holding `length` rows each in scattered pages, every page
+  """A PagedKVCache view (with its call's AttentionMetadata) of `batch` slots holding `length` rows
+  each in scattered pages, every page
   held (pools dtype[B * length / page_size, page_size, Hkv, Dh]), queries dtype[B, rows, Hkv, G, Dh]
   at the last `rows` rows of every slot (a verify step's k + 1 rows, already written), their rows
   int32[B, rows] and valid bool[B, rows]."""
@@ -470,8 +472,8 @@ def attention_case(batch, rows, kv_heads, groups, head_dim, page_size, length, d
   num_pages = batch * max_pages
   pool = lambda: jnp.asarray(rng.normal(size=(num_pages, page_size, kv_heads, head_dim)), dtype)
   table = jnp.asarray(rng.permutation(num_pages).reshape(batch, max_pages), jnp.int32)
-  cache = PagedKVCache(pool(), pool(), table, max_pages, used=jnp.full((batch,), max_pages, jnp.int32),
-                       budget=num_pages)
+  meta = AttentionMetadata(table, jnp.full((batch,), max_pages, jnp.int32), budget=num_pages)
+  cache = PagedKVCache(pool(), pool(), max_pages, meta)
   q = jnp.asarray(rng.normal(size=(batch, rows, kv_heads, groups, head_dim)), dtype)
   rows_BxT = jnp.broadcast_to(jnp.arange(length - rows, length, dtype=jnp.int32), (batch, rows))
   return cache, q, rows_BxT, jnp.ones((batch, rows), bool)
@@ -480,8 +482,9 @@ def attention_case(batch, rows, kv_heads, groups, head_dim, page_size, length, d
 def gathered_span(cache: PagedKVCache):
   """(k, v dtype[B, L, Hkv, Dh], key rows int32[B, L]): every slot's pages as one dense block, as
   `PagedRows.update` gathers them for a span (every page held, so no row is NO_ROW)."""
-  b, cols = cache.table.shape
-  gather = lambda pool: jnp.take(pool, cache.table, axis=0).reshape(b, cols * cache.page_size, *pool.shape[2:])
+  table = cache.meta.table
+  b, cols = table.shape
+  gather = lambda pool: jnp.take(pool, table, axis=0).reshape(b, cols * cache.page_size, *pool.shape[2:])
   key_rows = jnp.broadcast_to(jnp.arange(cols * cache.page_size, dtype=jnp.int32), (b, cols * cache.page_size))
   return gather(cache.k), gather(cache.v), key_rows
 

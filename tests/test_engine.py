@@ -240,7 +240,7 @@ class _ScriptedWidths(DraftPolicy):
     super().__init__(K)
     self.widths = iter(widths)
 
-  def choose(self, num_running):
+  def choose(self, num_running, scales=None):
     return next(self.widths, K)
 
 
