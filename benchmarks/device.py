@@ -463,9 +463,9 @@ def section_paged(report: Report, box: Box, models: Models, opts: dict) -> None:
 
 def attention_case(batch, rows, kv_heads, groups, head_dim, page_size, length, dtype, seed=0):
   """A PagedKVCache view (with its call's AttentionMetadata) of `batch` slots holding `length` rows
-  each in scattered pages, every page held (pools dtype[B * length / page_size, page_size, Hkv, Dh]), queries dtype[B, rows, Hkv, G, Dh]
-  at the last `rows` rows of every slot (a verify step's k + 1 rows, already written), their rows
-  int32[B, rows] and valid bool[B, rows]."""
+  each in scattered pages, every page held (pools dtype[B * length / page_size, page_size, Hkv, Dh]),
+  queries dtype[B, rows, Hkv, G, Dh] at the last `rows` rows of every slot (a verify step's k + 1
+  rows, already written), their rows int32[B, rows] and valid bool[B, rows]."""
   rng = np.random.default_rng(seed)
   max_pages = length // page_size
   num_pages = batch * max_pages
