@@ -143,9 +143,9 @@ class Soak:
       answer = post(self.server, {"prompt": "x = ", "max_tokens": 24, "response_format": {
           "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}})
       return self.check(kind, answer, _schema_problem(answer, schema))
-    if kind == "disconnect":  # hangs up after the first event, or before any when i is odd
-      answer = post(self.server, {**body, "stream": True, "max_tokens": self.limit(prompt)}, hang_up=True)
-      return self.check(kind, answer, None)
+    if kind == "disconnect":  # hangs up after the first event, or before the answer when the limit is odd
+      answer = post(self.server, {**body, "stream": True, "max_tokens": (m := self.limit(prompt))}, hang_up=True)
+      return self.check(kind if m % 2 == 0 else "disconnect_early", answer, None)
     if kind == "oversized":  # declared (refused unread) or sent (refused past the limit), in turn
       raw = b'{"prompt": "' + b"x" * (self.server.max_body + 1) + b'"}'
       return self.expect_error(kind, post(self.server, raw, chunked=i % 2 == 1), 413, None)
@@ -155,7 +155,7 @@ class Soak:
     return self.expect_error(kind, post(self.server, body), 400, "prompt")
 
   def check(self, kind: str, answer: Answer, problem: str | None) -> Outcome:
-    if answer.status == 429 and kind != "disconnect":  # the queue was full (a burst): its body is checked
+    if answer.status == 429 and not kind.startswith("disconnect"):  # the queue was full: its body is checked
       problem = _error_problem(answer, 429, None, "queue_full")
     elif answer.status >= 500 or answer.error is not None:
       problem = f"HTTP {answer.status}: {answer.error or answer.body[:300]!r}"

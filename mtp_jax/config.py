@@ -105,7 +105,31 @@ def _as(cls, value):
   return cls(**value) if isinstance(value, dict) else value
 
 
-EXPERT_ACTIVATIONS = ("swiglu", "relu2")  # MoeConfig.expert_activation, blocks/mlp.py and blocks/moe.py
+EXPERT_ACTIVATIONS = ("swiglu", "relu2", "swiglu_clamp")  # MoeConfig.expert_activation, blocks/mlp.py, blocks/moe.py
+ROUTER_SCORES = ("softmax", "sigmoid", "sqrtsoftplus")  # MoeConfig.scoring, blocks/moe.py
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HyperConfig:
+  """DeepSeek-V4's hyper-connections (blocks/hyper.py): hc_mult streams, sinkhorn_iters steps, floor hc_eps."""
+  hc_mult: int
+  sinkhorn_iters: int
+  hc_eps: float
+
+  def __post_init__(self):
+    validate.dataclass_fields(self, positive=("hc_mult", "sinkhorn_iters"), reals=dict(hc_eps=(0.0, None, True)))
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SinkMqaConfig:
+  """DeepSeek-V4's attention (blocks/sink_mqa.py): a q LoRA of q_lora_rank, one key = value head,
+  the output projected per group: o_groups groups of heads to o_lora_rank each."""
+  q_lora_rank: int
+  o_groups: int
+  o_lora_rank: int
+
+  def __post_init__(self):
+    validate.dataclass_fields(self, positive=("q_lora_rank", "o_groups", "o_lora_rank"))
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -128,7 +152,8 @@ class MoeConfig:
   latent_size: None, or the routed experts run in this width between fc1_latent_proj (D -> latent)
     and fc2_latent_proj (latent -> D); the router and the shared experts read x itself (Nemotron-H).
   swiglu_limit: None, or the routed experts' SwiGLU is clipped: silu(gate) <= limit, |up| <= limit
-    (Bailing / Ling; the shared experts' clip is BlockConfig.swiglu_limit).
+    (Bailing / Ling; the shared experts' clip is BlockConfig.swiglu_limit); with expert_activation
+    "swiglu_clamp" (needs the limit) gate <= limit before the SiLU instead; scoring "sqrtsoftplus" (DeepSeek-V4).
   first_k_dense_replace: target layers below this index keep the dense MLP; MTP modules are
     always MoE (transformers' get_mtp_config sets it to 0).
   """
@@ -158,14 +183,16 @@ class MoeConfig:
         ints=("n_shared_experts", "first_k_dense_replace"),
         reals=dict(routed_scaling_factor=(0.0, None, True)),
         flags=("e_score_correction_bias", "norm_topk_prob", "shared_expert_gate"))
-    validate.one_of(f"{name}.scoring", self.scoring, ("softmax", "sigmoid"))
+    validate.one_of(f"{name}.scoring", self.scoring, ROUTER_SCORES)
     validate.one_of(f"{name}.expert_activation", self.expert_activation, EXPERT_ACTIVATIONS)
     if self.latent_size is not None:
       validate.positive_int(f"{name}.latent_size", self.latent_size)
     if self.swiglu_limit is not None:
       validate.real(f"{name}.swiglu_limit", self.swiglu_limit, 0.0, lo_open=True)
-      if self.expert_activation != "swiglu":
+      if self.expert_activation == "relu2":
         raise bad("swiglu_limit", f"clips a SwiGLU; expert_activation is {self.expert_activation!r}")
+    elif self.expert_activation == "swiglu_clamp":
+      raise bad("swiglu_limit", "is needed by expert_activation 'swiglu_clamp'")
     if self.num_experts % self.n_group:
       raise bad("n_group", f"({self.n_group}) must divide num_experts ({self.num_experts})")
     if self.n_group > 1 and self.num_experts // self.n_group < 2:
@@ -220,6 +247,8 @@ class BlockConfig:
   swiglu_limit: float | None = None  # dense / shared SwiGLU: silu(gate) <= limit, |up| <= limit (Step-3.5)
   dtype: str = "float32"  # weights, activations and KV caches
   moe: MoeConfig | None = None  # the FFN is a mixture of experts (see MoeConfig) instead of the dense MLP
+  sink_mqa: SinkMqaConfig | None = None  # DeepSeek-V4's attention (needs one kv head and attention_sinks)
+  hyper: HyperConfig | None = None  # DeepSeek-V4's hyper-connection streams around the block (needs sink_mqa)
 
   def __post_init__(self):
     cls = type(self).__name__
@@ -270,6 +299,14 @@ class BlockConfig:
       if unsupported:
         raise validate.InvalidValue(f"{cls}.mla", f"{cls}: {', '.join(unsupported)} cannot be combined with mla")
     validate.float_dtype(f"{cls}.dtype", self.dtype)
+    object.__setattr__(self, "sink_mqa", _as(SinkMqaConfig, self.sink_mqa))
+    object.__setattr__(self, "hyper", _as(HyperConfig, self.hyper))
+    if self.sink_mqa is not None and (self.num_kv_heads != 1 or not self.attention_sinks or self.mla is not None
+                                      or (self.num_heads * self.head_dim) % self.sink_mqa.o_groups):
+      raise validate.InvalidValue(f"{cls}.sink_mqa", f"{cls}.sink_mqa needs num_kv_heads 1, attention_sinks, "
+                                  "no mla and o_groups dividing num_heads * head_dim")
+    if self.hyper is not None and self.sink_mqa is None:  # the only block built over streams is DeepSeek-V4's
+      raise validate.InvalidValue(f"{cls}.hyper", f"{cls}.hyper needs sink_mqa (DeepSeek-V4's block)")
     if isinstance(self.moe, dict):  # as dataclasses.asdict wrote it into a config.json
       object.__setattr__(self, "moe", MoeConfig(**self.moe))
     if self.moe is not None:
@@ -339,6 +376,11 @@ class MtpConfig(BlockConfig):
       raise validate.InvalidValue("MtpConfig.pass_normed_hidden",
                                   "MtpConfig.pass_normed_hidden needs head_norm: without a head norm "
                                   "there is no normed hidden to hand on")
+
+  @property
+  def hidden_width(self) -> int:
+    """The hidden a depth reads and hands on: hidden_size, or with hyper hc_mult streams flattened (DeepSeek-V4)."""
+    return self.hidden_size * (self.hyper.hc_mult if self.hyper is not None else 1)
 
   @property
   def num_depths(self) -> int:

@@ -19,6 +19,7 @@ from flax import nnx
 
 from mtp_jax import validate
 from mtp_jax.blocks import Block, Embed, LayerCache, Linear, RMSNorm, TreeRows, module_state_dict
+from mtp_jax.blocks.hyper_block import HyperMtpModule
 from mtp_jax.config import MtpConfig
 
 
@@ -58,11 +59,13 @@ class MtpModel(nnx.Module):
   def __init__(self, cfg: MtpConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype=cfg.jnp_dtype, rngs=rngs)
-    self.layers = nnx.List([MtpModule(cfg, rngs=rngs) for _ in range(cfg.num_modules)])
+    # DeepSeek-V4 (cfg.hyper): modules over hyper-connection streams, hidden dtype[B, T, hc_mult * D].
+    module = MtpModule if cfg.hyper is None else HyperMtpModule
+    self.layers = nnx.List([module(cfg, rngs=rngs) for _ in range(cfg.num_modules)])
     self.lm_head = (None if cfg.own_lm_head else
                     Linear(cfg.hidden_size, cfg.vocab_size, axes=("vocab", "embed"), dtype=cfg.jnp_dtype, rngs=rngs))
 
-  def module(self, i: int) -> MtpModule:
+  def module(self, i: int) -> MtpModule | HyperMtpModule:
     """The module depth i runs (cfg.module_of(i))."""
     return self.layers[self.cfg.module_of(i)]
 
@@ -79,7 +82,10 @@ class MtpModel(nnx.Module):
     return emb
 
   def _head_input(self, i: int, h_BxTxD: jax.Array) -> jax.Array:
-    norm = self.module(i).shared_head_norm
+    module = self.module(i)
+    if isinstance(module, HyperMtpModule):  # streams collapse to one hidden before the head norm
+      h_BxTxD = module.collapse(h_BxTxD)
+    norm = module.shared_head_norm
     return h_BxTxD if norm is None else norm(h_BxTxD)
 
   def next_hidden(self, i: int, h_BxTxD: jax.Array) -> jax.Array:
@@ -159,7 +165,7 @@ def forward_chain(model: MtpModel, hiddens_BxTxD: jax.Array, tokens_BxU: jax.Arr
   """Cache-free forward of the chain over whole sequences (training and reference).
 
   Args:
-    hiddens_BxTxD: float[B, T, D] target hiddens h^0_j at rows j = 0..T-1.
+    hiddens_BxTxD: float[B, T, D] target hiddens h^0_j at rows j = 0..T-1 (D: cfg.hidden_width).
     tokens_BxU: int32[B, U], U >= T + K - 1: tokens_BxU[:, u] = t_{u+1}; module m row j reads
       t_{j+m} = tokens_BxU[:, j + m - 1].
     num_modules: run only the first depths (default all cfg.num_depths).

@@ -46,7 +46,7 @@ def _check_propose_args(params, state, hiddens, tokens, num_new, num_drafts, cat
         "num_drafts", f"this call needs modules 0..{run - 1} current, but a propose with catch_up=False left "
         f"only modules 0..{state.num_live - 1} live (num_live={state.num_live}); use "
         f"num_drafts <= {state.num_live} with catch_up=False, or start from init_state")
-  b, d = state.batch_size, cfg.hidden_size
+  b, d = state.batch_size, cfg.hidden_width
   hiddens = validate.array("hiddens", hiddens, (b, None, d), kind="float", dims=f"[B={b}, T, D={d}]")
   t = hiddens.shape[1]
   tokens = validate.array("tokens", tokens, (b, t), kind="int", dims=f"[B={b}, T={t}]")
@@ -84,7 +84,7 @@ def propose(params: MtpModel, state: ProposerState, hiddens, tokens, num_new, nu
   Args:
     params: MtpModel; its cfg.num_depths = K depths run.
     state: ProposerState from `init_state` (or a previous call).
-    hiddens: float[B, T, D] target hiddens h0_j at the new verified positions j = num_pos..,
+    hiddens: float[B, T, D] target hiddens h0_j (D = cfg.hidden_width) at the new verified positions j = num_pos..,
       left-aligned, padded to a static T.
     tokens: int32[B, T]; tokens[b, u] = t_{j+1} for the same positions (the verified token that
       follows each position; the last real one is the newest verified "bonus" token).

@@ -87,7 +87,7 @@ def init_state(cfg: MtpConfig, batch_size: int, max_len: int, *, keep_draft_prob
   max_len = validate.positive_int("max_len", max_len)
   keep_draft_probs = validate.flag("keep_draft_probs", keep_draft_probs)
   dtype = cfg.jnp_dtype if dtype is None else validate.float_dtype("dtype", dtype)
-  k, d = cfg.num_depths, cfg.hidden_size
+  k, d = cfg.num_depths, cfg.hidden_width
   caches = LayerCaches.create(cfg.block_config(), k, batch_size, max_len, dtype=dtype, page_size=page_size,
                               num_pages=num_pages, pages=pages)
   return ProposerState(

@@ -6,9 +6,9 @@ layout, written here, and its MTP chain equals a reference wired as the serving 
   srt/models/exaone_moe_mtp.py; the layer from transformers 5.25's ExaoneMoe modules (see ExaoneRefMtp).
 - Nemotron-H: vLLM 0.34 model_executor/models/nemotron_h_mtp.py and SGLang 0.5.23
   srt/models/nemotron_h_mtp.py; the mixers from transformers 5.25's NemotronH modules (see NemotronRefMtp).
-- Families refused by name (Gemma 4 assistants, DeepSeek-V4): each loader names the model_type and
-  the reason. Bailing's MTP modules load: tests/test_families_bailing.py. Step-3.5 / 3.7's MTP modules
-  load: tests/test_families_step3p5.py.
+- Families refused by name (Gemma 4 assistants): each loader names the model_type and the reason.
+  Bailing's MTP modules load: tests/test_families_bailing.py. Step-3.5 / 3.7's MTP modules load:
+  tests/test_families_step3p5.py. DeepSeek-V4's MTP modules load: tests/test_families_deepseek_v4.py.
 """
 
 import json
@@ -214,8 +214,7 @@ def test_exaone_moe_refusals():
 # Families refused by name ----------------------------------------------------------------------------
 
 REFUSED = [("gemma4_assistant", True, "KV cache", "holds no target"),
-           ("gemma4_unified_assistant", True, "KV cache", "holds no target"),
-           ("deepseek_v4", False, "hyper-connection", "hyper-connection")]
+           ("gemma4_unified_assistant", True, "KV cache", "holds no target")]
 
 
 @pytest.mark.parametrize("model_type, nested, mtp_why, target_why", REFUSED)

@@ -26,11 +26,14 @@ def test_a_short_soak_loses_nothing_and_leaks_nothing():
   kinds = r["kinds"]
   # The faults were injected and met: each kind at least once, answered as due.
   for kind, status in [("malformed", 400), ("oversized", 413), ("too_long", 400), ("over_limit", 400),
-                       ("disconnect", 0), ("greedy", 200), ("greedy_stream", 200), ("seeded", 200), ("stop", 200),
+                       ("greedy", 200), ("greedy_stream", 200), ("seeded", 200), ("stop", 200),
                        ("schema", 200), ("at_limit", 200), ("slow", 200)]:
     assert kinds[kind, status] >= 1, (kind, status, kinds)
   assert kinds["burst", 429] >= 1, kinds  # a burst overfilled the waiting queue
-  assert r["cancelled"] >= kinds["disconnect", 0], r  # each hang-up cancelled its request
+  assert kinds["disconnect", 0] + kinds["disconnect_early", 0] >= 1, kinds
+  # Each hang-up after the first event cancelled its running request (one before the answer may
+  # come before the request was queued: then there is nothing to cancel, and nothing leaks either).
+  assert r["cancelled"] >= kinds["disconnect", 0], r
 
 
 def test_a_schema_that_repeats_a_wide_class_past_the_bound_is_refused_before_building():

@@ -8,7 +8,8 @@ Data flow: linear, norms, rope, masks (the attention math) -> cache (the per-lay
 dense caches) -> pages (the page allocator, the per-call `AttentionMetadata`) -> paged (paged
 caches) -> mla -> dsa (DeepSeek Sparse Attention
 and its caches) -> caches (`LayerCaches`, one model's caches, and `init_cache`, which picks the cache
-for a config) -> attention, mlp, moe -> block (the pre-norm `Block`).
+for a config) -> attention, mlp, moe -> block (the pre-norm `Block`); hyper, sink_mqa -> hyper_block
+(DeepSeek-V4's layer over hyper-connection streams and its MTP module).
 """
 
 from mtp_jax.blocks.attention import Attention

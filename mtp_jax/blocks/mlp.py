@@ -13,9 +13,12 @@ from mtp_jax.config import BlockConfig
 def activate(up, gate, activation: str, limit: float | None = None):
   """The experts' and MLPs' hidden from the up (and gate) projections: silu(gate) * up for "swiglu",
   relu(up)^2 for "relu2" (gate None); same shape and dtype as up. limit ("swiglu" only) clips
-  silu(gate) above at limit and up to [-limit, limit] before the product (Step-3.5's clipped SwiGLU)."""
+  silu(gate) above at limit and up to [-limit, limit] before the product (Step-3.5's clipped SwiGLU);
+  "swiglu_clamp" clips gate above at limit before the SiLU instead (DeepSeek-V4's experts)."""
   if activation == "relu2":
     return jnp.square(jax.nn.relu(up))
+  if activation == "swiglu_clamp":
+    return jax.nn.silu(jnp.minimum(gate, limit)) * jnp.clip(up, -limit, limit)
   act = jax.nn.silu(gate)
   if limit is not None:
     act, up = jnp.minimum(act, limit), jnp.clip(up, -limit, limit)
@@ -30,7 +33,7 @@ class Mlp(nnx.Module):
                activation: str = "swiglu"):
     d, f, dt = cfg.hidden_size, intermediate_size or cfg.intermediate_size, cfg.jnp_dtype
     self.activation, self.limit = activation, cfg.swiglu_limit
-    self.gate_proj = Linear(d, f, axes=("mlp", "embed"), dtype=dt, rngs=rngs) if activation == "swiglu" else None
+    self.gate_proj = Linear(d, f, axes=("mlp", "embed"), dtype=dt, rngs=rngs) if activation != "relu2" else None
     self.up_proj = Linear(d, f, axes=("mlp", "embed"), dtype=dt, rngs=rngs)
     self.down_proj = Linear(f, d, axes=("embed", "mlp"), dtype=dt, rngs=rngs)
 

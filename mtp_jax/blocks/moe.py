@@ -38,6 +38,8 @@ def route(cfg: MoeConfig, logits_NxE: jax.Array, bias_E: jax.Array | None):
   """
   if cfg.scoring == "softmax":
     scores_NxE = jax.nn.softmax(logits_NxE, axis=-1)
+  elif cfg.scoring == "sqrtsoftplus":
+    scores_NxE = jnp.sqrt(jax.nn.softplus(logits_NxE))
   else:
     scores_NxE = jax.nn.sigmoid(logits_NxE)
   choice_NxE = scores_NxE if bias_E is None else scores_NxE + bias_E
@@ -91,7 +93,7 @@ class Experts(nnx.Module):
     e, d, f = cfg.num_experts, cfg.latent_size or hidden_size, cfg.moe_intermediate_size
     self.activation, self.limit = cfg.expert_activation, cfg.swiglu_limit
     self.gate_proj = (param(normal(rngs, (e, d, f), d**-0.5, dtype), ("experts", "embed", "expert_mlp"))
-                      if self.activation == "swiglu" else None)
+                      if self.activation != "relu2" else None)
     self.up_proj = param(normal(rngs, (e, d, f), d**-0.5, dtype), ("experts", "embed", "expert_mlp"))
     self.down_proj = param(normal(rngs, (e, f, d), f**-0.5, dtype), ("experts", "expert_mlp", "embed"))
     self.fp8 = None

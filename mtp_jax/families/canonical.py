@@ -8,4 +8,6 @@ def _sources(cfg, names, first_layer):
                  source=lambda i, s: (f"mtp.{i}.{s}", None), embed=("embed_tokens.weight",))
 
 
-LAYOUT = Layout("canonical", r"mtp\.\d+\.eh_proj\.weight", _sources)
+# Every module's block has input_layernorm, DeepSeek-V4's (e_proj / h_proj, no eh_proj) included;
+# no release names a tensor mtp.{i}.input_layernorm.weight.
+LAYOUT = Layout("canonical", r"mtp\.\d+\.input_layernorm\.weight", _sources)
