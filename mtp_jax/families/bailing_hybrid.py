@@ -39,7 +39,7 @@ from collections.abc import Mapping
 
 from mtp_jax import validate
 from mtp_jax.config import MoeConfig
-from mtp_jax.families.base import DEFAULT_HEAD, Conventions, Family, Sources
+from mtp_jax.families.base import DEFAULT_HEAD, Conventions, Family, Sources, layer_list
 
 _EMBED = "model.word_embeddings.weight"
 _GATE_KEY = "gated_attention_proj_granularity_type"
@@ -80,12 +80,9 @@ def _get(config: Mapping, *keys, default=None):
 def _limit(config: Mapping, key: str) -> float | None:
   """The SwiGLU clip of the MTP layers from the per-layer list `key` (None: not clipped); the modules
   share one block config, so their limits must agree."""
-  values = config.get(key)
+  values = layer_list(config, key)
   if values is None:
     return None
-  if not isinstance(values, list):
-    raise validate.InvalidType(f"config.json: {key}", f"config.json: {key} must be a list (one limit per layer), "
-                               f"got {values!r:.60}")
   limits = {values[i] if i < len(values) and values[i] else None for i in _mtp_layers(config)}
   if len(limits) > 1:
     raise ValueError(f"config.json: {key} gives the MTP layers different limits {sorted(limits, key=str)}; "

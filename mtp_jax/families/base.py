@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 
 import numpy as np
 
+from mtp_jax import validate
 from mtp_jax.config import DsaConfig, MoeConfig, MtpConfig
 
 DEFAULT_EMBED, DEFAULT_HEAD = ("model.embed_tokens.weight",), ("lm_head.weight",)
@@ -138,3 +139,12 @@ class Family:
   hf_view: Callable[[Mapping], Mapping] | None = None
   mtp_tensors: Callable[[Mapping, set], dict] | None = None
 
+
+def layer_list(config: Mapping, key: str) -> list | None:
+  """config.json's per-layer list `key` (one entry per layer), or None without one; anything else
+  raises naming the key."""
+  value = config.get(key)
+  if value is not None and not isinstance(value, list):
+    raise validate.InvalidType(f"config.json: {key}", f"config.json: {key} must be a list (one entry per layer), "
+                               f"got {value!r:.60}")
+  return value

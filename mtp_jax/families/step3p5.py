@@ -51,7 +51,7 @@ import re
 from collections.abc import Mapping
 
 from mtp_jax import validate
-from mtp_jax.families.base import DEFAULT_EMBED, Blocks, Conventions, Family, Sources
+from mtp_jax.families.base import DEFAULT_EMBED, Blocks, Conventions, Family, Sources, layer_list
 
 _EH_PROJ = re.compile(r"model\.layers\.(\d+)\.eh_proj\.weight")
 _MODULE_OWN = ("enorm.", "hnorm.", "eh_proj.", "shared_head.norm.")  # beside the layer, never under .transformer.
@@ -79,13 +79,8 @@ def _sources(cfg, names, first_layer):
 
 def _at(config: Mapping, key: str, i: int, default=None):
   """config[key][i] of a per-layer list (default past its end or without one)."""
-  value = config.get(key)
-  if value is None:
-    return default
-  if not isinstance(value, list):
-    raise validate.InvalidType(f"config.json: {key}", f"config.json: {key} must be a list (one entry per "
-                               f"layer, the MTP layers' last), got {value!r:.60}")
-  return value[i] if i < len(value) else default
+  value = layer_list(config, key)
+  return default if value is None or i >= len(value) else value[i]
 
 
 def _mtp_indices(config: Mapping) -> range:
