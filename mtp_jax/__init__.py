@@ -16,6 +16,8 @@ from mtp_jax.serving import Engine, GenerateOutput, generate
 from mtp_jax import blocks, checkpoint, data, families, grammar, layouts, serving, sharding  # namespaces
 from mtp_jax.demo_models import load_demo
 from mtp_jax.pretrained import from_pretrained, load_mtp, load_target, load_tokenizer
+from mtp_jax.assistant import Gemma4Assistant, Gemma4AssistantConfig, assistant_propose
+from mtp_jax.pretrained_assistant import load_assistant
 
 __all__ = [
     "BlockConfig", "MlaConfig", "MtpConfig", "RopeScaling", "TargetConfig", "KVCache", "MlaCache", "MtpModel",
@@ -26,6 +28,7 @@ __all__ = [
     "verify_rows", "verify_tree_gumbel", "verify_tree_rows", "TreeSpec", "DraftTree",
     "GenerateOutput", "generate", "Engine", "blocks", "checkpoint", "data", "families", "grammar", "layouts",
     "serving", "sharding", "train", "load_demo", "from_pretrained", "load_target", "load_mtp", "load_tokenizer",
+    "Gemma4Assistant", "Gemma4AssistantConfig", "assistant_propose", "load_assistant",
 ]
 
 # Imported on first use (PEP 562), so `import mtp_jax` loads neither train (its optimizer setup and tqdm)

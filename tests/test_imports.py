@@ -55,10 +55,10 @@ def test_the_demo_loader_and_serving_import_nothing_above_them():
 LAYERS = [
     ["validate", "data", "config", "checkpoint"],
     ["blocks"],
-    ["mtp", "grammar", "tree", "sampling"],
+    ["mtp", "assistant", "grammar", "tree", "sampling"],
     ["proposer_state", "proposer", "target", "verify"],
     ["sharding", "checkpoint_dir", "families"],
-    ["demo_models", "layouts", "pretrained"],
+    ["demo_models", "layouts", "pretrained", "pretrained_assistant"],
     ["serving"],
     ["train", "demo", "cli"],
 ]

@@ -68,7 +68,8 @@ def table() -> str:
       target = f"{', '.join(f'`{t}`' for t in f.target)}; no: {f.target_refusal}"
     else:
       target = f"no: {f.target_refusal}"
-    layout = f"`{f.layout}`" if f.layout else f"no: {f.mtp_refusal}" if f.mtp_refusal else "(none released)"
+    layout = (f"`{f.layout}`" if f.layout else f"assistant (`load_assistant`): {f.assistant}" if f.assistant
+              else f"no: {f.mtp_refusal}" if f.mtp_refusal else "(none released)")
     rows.append(f"| {f.title} | {types} | {layout} | {target} | "
                 f"{f.sources or '-'} |")
   return "\n".join(rows)

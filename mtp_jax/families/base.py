@@ -118,7 +118,9 @@ class Family:
   mtp_blocks may also set MtpConfig's own_lm_head (Step-3.5's per-module LM heads).
   mtp_tensors: (config.json, the checkpoint's tensor names) -> BlockConfig fields of its MTP blocks that
   the checkpoint settles over mtp_blocks' reading (Bailing's MLA output gate: built where the MTP
-  layers hold one), None where config.json settles them all."""
+  layers hold one), None where config.json settles them all.
+  assistant: what its draft model is when it is no MTP chain but an assistant mtp_jax builds on its own
+  (`mtp_jax.load_assistant`: Gemma 4); the chain loaders then refuse it with mtp_refusal."""
   name: str
   title: str
   model_types: tuple[str, ...]
@@ -138,6 +140,7 @@ class Family:
   target_check: Callable[[Mapping], None] | None = None
   hf_view: Callable[[Mapping], Mapping] | None = None
   mtp_tensors: Callable[[Mapping, set], dict] | None = None
+  assistant: str = ""
 
 
 def layer_list(config: Mapping, key: str) -> list | None:
