@@ -339,8 +339,7 @@ def test_auto_width_changes_and_greedy_output_stays_exact():
       engine.policy.record(k, 1, 1.0)
   again = Engine(TARGET5, PROPOSER5, max_batch=2, max_len=64, page_size=2, num_pages=40, draft_policy=engine.policy)
   rid = again.add_request([1, 2, 3], 20)
-  a, p = engine.policy.accepted_at, engine.policy.proposed_at  # kept too: the first engine's measured rates
-  rate = [(a[i] + 4 * 0.5 ** (i + 1)) / (p[i] + 4) for i in range(K)]
+  rate = engine.policy.rates()  # kept too: the first engine's measured rates
   gain = lambda k: (1 + sum(rate[:k])) / engine.policy.step_seconds(k, 1)
   again.step()
   assert again.metrics()["verify_width"] == max(range(K + 1), key=gain)
@@ -382,6 +381,23 @@ def test_draft_policy_tries_each_width_then_picks_the_most_tokens_per_second():
   assert [one.choose(1) for _ in range(4)] == [0, 0, 0, 0]
   one.record(1, 1, 0.014)  # k=1 1.5 / 0.017 = 88, within a tenth of 95
   assert [one.choose(1) for _ in range(4)] == [0, 0, 0, 1]
+
+
+def test_deeper_drafts_never_verified_take_their_prior_from_the_measured_ones():
+  """A width that never ran never verified its deepest draft: its rate extends the measured ones
+  (r_2 ~ r_1^2 / r_0), so a model whose drafts pass is not held at the narrower width by a fixed
+  prior of 0.125 (the trained demo's calibrated engine stayed at k = 2 at one request for that)."""
+  policy = DraftPolicy(3)
+  assert policy.rates() == pytest.approx([0.5, 0.25, 0.125])  # nothing measured: halving
+  for k, seconds in enumerate([0.010, 0.012, 0.014, 0.0165]):
+    policy.record(k, 1, seconds)
+  policy.observe([80, 64, 0], [100, 100, 0])  # k = 3 never ran: draft 2 never verified
+  r = policy.rates()
+  assert r[0] == pytest.approx(82 / 104) and r[1] == pytest.approx((64 + 4 * r[0] ** 2) / 104)
+  assert r[2] == pytest.approx(r[1] ** 2 / r[0])
+  assert policy.choose(1) == 3  # 2.94 / 0.0165 beats 2.43 / 0.014 (with 0.125 it would not: 2.55 / 0.0165)
+  policy.observe([0, 0, 0], [0, 0, 400])  # once verified, the counts rule: all rejected
+  assert policy.rates()[2] < 0.01 and policy.choose(1) == 2
 
 
 class TestErrors:

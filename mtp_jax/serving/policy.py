@@ -35,8 +35,8 @@ class DraftPolicy:
   requests rounded up to a power of two) and the drafts accepted and verified per position, and
   picks the k with the most tokens per second: running x (1 + sum_{i<k} r_i) / seconds(k, bucket),
   r_i the measured rate at which draft i is accepted when verified (`rates`: the counts blended with
-  a prior of 0.5^(i + 1) worth PRIOR_WEIGHT verifications). When speculation is off (k = 0 wins),
-  every PROBE_EVERY-th call at a bucket runs k = 1 as a probe, so acceptance is still measured and
+  a prior worth PRIOR_WEIGHT verifications, extended from the positions before it). When
+  speculation is off (k = 0 wins), every PROBE_EVERY-th call at a bucket runs k = 1 as a probe, so acceptance is still measured and
   speculation comes back when drafts start to pay. At a bucket not yet timed the widest width runs
   first; a width not timed there takes the widest one's time there scaled by their ratio at the
   nearest bucket that timed both, or is tried when no bucket did (widest first). A width chosen on
@@ -101,11 +101,17 @@ class DraftPolicy:
     return best
 
   def rates(self) -> list[float]:
-    """The acceptance rate of each draft position: the measured counts plus PRIOR_WEIGHT
-    verifications at the prior 0.5^(i + 1), so a few verifications already move it (a model whose
-    drafts are rejected turns speculation off within a few calls) and none leave the prior."""
-    w = self.PRIOR_WEIGHT
-    return [(a + w * 0.5 ** (i + 1)) / (p + w) for i, (a, p) in enumerate(zip(self.accepted_at, self.proposed_at))]
+    """The acceptance rate of each draft position: its measured counts plus PRIOR_WEIGHT
+    verifications at a prior, so a few verifications already move it (a model whose drafts are
+    rejected turns speculation off within a few calls). The prior of position 0 is 0.5; that of
+    position i > 0 extends the rates before it geometrically (r_{i-1}^2 / r_{i-2}, r_0^2 for i = 1),
+    which is 0.5^(i + 1) with nothing measured. A width that never runs never verifies its deepest
+    drafts, so a fixed prior there would keep it from ever being chosen where it pays."""
+    w, rates = self.PRIOR_WEIGHT, []
+    for i, (a, p) in enumerate(zip(self.accepted_at, self.proposed_at)):
+      prior = 0.5 if i == 0 else rates[-1] * (rates[-1] / rates[-2] if i > 1 and rates[-2] > 0 else rates[-1])
+      rates.append((a + w * min(1.0, prior)) / (p + w))
+    return rates
 
   def request_scale(self, drafts_accepted: int, drafts_verified: int) -> float:
     """A request's acceptance over the pooled one (1: like the rest): its drafts accepted over
