@@ -34,25 +34,25 @@ class DraftPolicy:
   It keeps the measured seconds per decode step for each width k = 0..K and batch bucket (running
   requests rounded up to a power of two) and the drafts accepted and verified per position, and
   picks the k with the most tokens per second: running x (1 + sum_{i<k} r_i) / seconds(k, bucket),
-  r_i the measured rate at which draft i is accepted when verified (`rates`: the counts blended with
-  a prior worth PRIOR_WEIGHT verifications, extended from the positions before it). When
-  speculation is off (k = 0 wins), every PROBE_EVERY-th call at a bucket runs k = 1 as a probe, so acceptance is still measured and
-  speculation comes back when drafts start to pay. At a bucket not yet timed the widest width runs
-  first; a width not timed there takes the widest one's time there scaled by their ratio at the
-  nearest bucket that timed both, or is tried when no bucket did (widest first). A width chosen on
-  an estimate is timed as it runs, so an estimate that flattered it is replaced after one call, and
-  a stream's smaller buckets (its tail) do not spend their few calls timing every width. Requests
-  weigh by their own acceptance (`request_scale`): a request whose drafts are rejected adds its one
-  token per step and nothing for the drafts, so a batch of such requests turns speculation off
-  (and a probe brings it back for them when their drafts start to pass), while the others keep
-  drafting; with one request running this is a per-request switch. Every 4th
-  call at a bucket runs the runner-up instead when it is within a tenth of the best (call times here
-  move by that much, so such widths are ranked by noise until timed again). A call during which JAX
-  built a program (traced, then compiled or read it from a cache) is not a sample. So a step drafts
-  like k = K where drafts pay (few requests, high acceptance) and less, down to 0, where the wider
-  target forward costs more than the tokens it wins (many requests, low acceptance). Both
-  measurements belong to the models, batch size and machine, not to one engine: an engine built
-  again can start from them (`Engine(draft_policy=)`).
+  r_i the measured rate at which draft i is accepted when verified (`rates`: the counts blended
+  with a prior worth PRIOR_WEIGHT verifications, extended from the positions before it). When
+  speculation is off (k = 0 wins), every PROBE_EVERY-th call at a bucket runs k = 1 as a probe, so
+  acceptance is still measured and speculation comes back when drafts start to pay. At a bucket
+  not yet timed the widest width runs first; a width not timed there takes the widest one's time
+  there scaled by their ratio at the nearest bucket that timed both, or is tried when no bucket
+  did (widest first). A width chosen on an estimate is timed as it runs, so an estimate that
+  flattered it is replaced after one call, and a stream's smaller buckets (its tail) do not spend
+  their few calls timing every width. Requests weigh by their own acceptance (`request_scale`): a
+  request whose drafts are rejected adds its one token per step and nothing for the drafts, so a
+  batch of such requests turns speculation off (and a probe brings it back for them when their
+  drafts start to pass), while the others keep drafting; with one request running this is a
+  per-request switch. Every 4th call at a bucket runs the runner-up instead when it is within a
+  tenth of the best (call times here move by that much, so such widths are ranked by noise until
+  timed again). A call during which JAX built a program (traced, then compiled or read it from a
+  cache) is not a sample. So a step drafts like k = K where drafts pay (few requests, high
+  acceptance) and less, down to 0, where the wider target forward costs more than the tokens it
+  wins (many requests, low acceptance). Both measurements belong to the models, batch size and
+  machine, not to one engine: an engine built again can start from them (`Engine(draft_policy=)`).
   """
 
   PRIOR_WEIGHT: typing.ClassVar[int] = 4  # verifications the prior of `rates` weighs
