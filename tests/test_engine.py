@@ -538,3 +538,37 @@ def test_a_measured_policy_round_trips_through_json_and_starts_a_served_engine(t
   path.write_text(DraftPolicy(K + 1).to_json())
   with pytest.raises(ValueError, match="measured for K=4 drafts, the proposer has K=3"):
     measured_policy(engine, str(path))
+
+
+def test_requests_admitted_where_drafts_do_not_pay_run_no_module():
+  """Once drafts do not pay even for a request alone (all rejected), an "auto" request is admitted
+  without drafting: its modules get no rows (no prefill, no catch-up) and its output is exact,
+  greedy or seeded; every PROBE_EVERY-th such admission drafts, so acceptance is still measured."""
+  policy = DraftPolicy(K)
+  assert policy.drafts_pay()  # nothing timed yet
+  for b in (1, 2):
+    for k in range(K + 1):
+      policy.record(k, b, 1.0 + 0.3 * k)
+  assert policy.drafts_pay()  # the prior: 0.5 of first drafts accepted
+  policy.observe([0] * K, [40] * K)
+  assert not policy.drafts_pay()
+  engine = Engine(TARGET5, PROPOSER5, max_batch=2, max_len=64, page_size=2, num_pages=40, num_drafts="auto",
+                  draft_policy=policy, steps_per_call=1)
+  greedy = [engine.add_request(p, 16) for p in ([1, 2, 3], [4, 0, 1, 1])]
+  sampled = engine.add_request([2, 2, 4, 1], 16, temperature=1.0, seed=5)
+  rows = []
+  while engine.num_running or engine.num_waiting:
+    engine.step()
+    rows.append(int(engine._s.proposer.num_pos.max()))
+  assert rows == [0] * len(rows) and policy.declined == 3
+  assert not any(engine.requests[rid].stats["drafting"] for rid in [*greedy, sampled])
+  for rid in greedy:
+    assert engine.requests[rid].tokens == _alone(tuple(engine.requests[rid].prompt))[:16]
+  assert engine.requests[sampled].tokens == mtp_jax.generate(TARGET5, None, [[2, 2, 4, 1]], 16, temperature=1.0,
+                                                             seed=5).tokens[0]
+  policy.declined = DraftPolicy.PROBE_EVERY - 1
+  probe = engine.add_request([3, 1, 2], 16)
+  engine.step()
+  assert engine.requests[probe].drafting and int(engine._s.proposer.num_pos.max()) > 0
+  assert engine.run()[probe] == _alone((3, 1, 2))[:16]
+  assert engine.requests[probe].drafts_verified > 0

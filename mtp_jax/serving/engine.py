@@ -28,6 +28,8 @@ many drafts the target verifies from the running requests' count, the measured a
 draft position and the measured time of a step at each width; the modules draft that many and
 the deeper ones only catch up on the verified rows, so any width may follow any other; at width 0
 no module runs: the rows wait (`deferred_rows`) and the modules catch up on them in one call.
+A request that verifies no drafts (num_drafts=0, or "auto" admitted where drafts do not pay even
+alone: `DraftPolicy.admits_drafting`) gets no module rows at all, from its prefill to its end.
 
 Its parts: admission.py (the queue, page reservations, chunked prefill), policy.py (the width),
 grammars.py (the grammar union), metrics.py (`Tally`, the counters), calibrate.py.
@@ -277,8 +279,10 @@ class Engine:
       return
     running = [self.requests[rid] for rid in self._slots if rid is not None]
     k = max((r.num_drafts for r in running if r.num_drafts != "auto"), default=0)
-    if any(r.num_drafts == "auto" for r in running):
-      scales = [self.policy.request_scale(r.drafts_accepted, r.drafts_verified) for r in running]
+    if any(r.num_drafts == "auto" and r.drafting for r in running):
+      # A request that does not draft adds its one token a step whatever the width.
+      scales = [self.policy.request_scale(r.drafts_accepted, r.drafts_verified) if r.drafting else 0.0
+                for r in running]
       k = max(k, self.policy.choose(len(running), scales))
     if k != self._step.settings.verify_width:
       self._step = self._step.replace(verify_drafts=None if k == self.max_drafts else k)
@@ -310,6 +314,8 @@ class Engine:
                                                   self.requests)
     for req in admitted:
       self._slots[req.slot] = req.id
+      if req.num_drafts == "auto":
+        req.drafting = self.policy.admits_drafting()
     if part is not None:
       self._prefill_part(part)
     if whole:
@@ -322,8 +328,9 @@ class Engine:
     prompt_1xT, len_1 = padded_prompts([req.prompt[done:done + c]], 1, [0])
     next_1xT, _ = padded_prompts([req.prompt[done + 1:done + c + 1]], 1, [0])
     slot_1 = np.asarray([req.slot], np.int32)
+    drafting_1 = np.asarray([req.drafting and req.num_drafts != 0], bool)
     self._s = jit_prefill_part(self._base, self.target, self.proposer, self._grammars.union, self._s, slot_1,
-                               prompt_1xT, len_1, next_1xT, self._read_for(slot_1, len_1))
+                               prompt_1xT, len_1, next_1xT, self._read_for(slot_1, len_1), drafting_1)
     req.prefilled += c
 
   def _prefill(self, admitted: list[Request]) -> None:

@@ -31,8 +31,8 @@ def jit_prefill(step: DecodeStep, target, proposer, grammar, s: LoopState, promp
 
 @functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("s",))
 def jit_prefill_part(step: DecodeStep, target, proposer, grammar, s: LoopState, slot_1, prompt_1xT, len_1,
-                     next_1xT, read: PageRead = WHOLE_POOL) -> LoopState:
-  return step.prefill_part(target, proposer, grammar, s, slot_1, prompt_1xT, len_1, next_1xT, read)
+                     next_1xT, read: PageRead = WHOLE_POOL, drafting_1=None) -> LoopState:
+  return step.prefill_part(target, proposer, grammar, s, slot_1, prompt_1xT, len_1, next_1xT, read, drafting_1)
 
 
 @functools.partial(jax.jit, static_argnames=STATIC, donate_argnames=("s",))

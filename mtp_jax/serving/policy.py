@@ -34,25 +34,26 @@ class DraftPolicy:
   It keeps the measured seconds per decode step for each width k = 0..K and batch bucket (running
   requests rounded up to a power of two) and the drafts accepted and verified per position, and
   picks the k with the most tokens per second: running x (1 + sum_{i<k} r_i) / seconds(k, bucket),
-  r_i the measured rate at which draft i is accepted when verified (`rates`: the counts blended
-  with a prior worth PRIOR_WEIGHT verifications, extended from the positions before it). When
-  speculation is off (k = 0 wins), every PROBE_EVERY-th call at a bucket runs k = 1 as a probe, so
-  acceptance is still measured and speculation comes back when drafts start to pay. At a bucket
-  not yet timed the widest width runs first; a width not timed there takes the widest one's time
-  there scaled by their ratio at the nearest bucket that timed both, or is tried when no bucket
-  did (widest first). A width chosen on an estimate is timed as it runs, so an estimate that
-  flattered it is replaced after one call, and a stream's smaller buckets (its tail) do not spend
-  their few calls timing every width. Requests weigh by their own acceptance (`request_scale`): a
-  request whose drafts are rejected adds its one token per step and nothing for the drafts, so a
-  batch of such requests turns speculation off (and a probe brings it back for them when their
-  drafts start to pass), while the others keep drafting; with one request running this is a
-  per-request switch. Every 4th call at a bucket runs the runner-up instead when it is within a
-  tenth of the best (call times here move by that much, so such widths are ranked by noise until
-  timed again). A call during which JAX built a program (traced, then compiled or read it from a
-  cache) is not a sample. So a step drafts like k = K where drafts pay (few requests, high
-  acceptance) and less, down to 0, where the wider target forward costs more than the tokens it
-  wins (many requests, low acceptance). Both measurements belong to the models, batch size and
-  machine, not to one engine: an engine built again can start from them (`Engine(draft_policy=)`).
+  r_i the measured rate at which draft i is accepted when verified (`rates`: the counts blended with
+  a prior worth PRIOR_WEIGHT verifications, extended from the positions before it). When speculation
+  is off (k = 0 wins), every PROBE_EVERY-th call at a bucket runs k = 1 as a probe, so acceptance is
+  still measured and speculation comes back when drafts start to pay. At a bucket not yet timed the
+  widest width runs first; a width not timed there takes the widest one's time there scaled by their
+  ratio at the nearest bucket that timed both, or is tried when no bucket did (widest first). A
+  width chosen on an estimate is timed as it runs, so an estimate that flattered it is replaced
+  after one call, and a stream's smaller buckets (its tail) do not spend their few calls timing
+  every width. Requests weigh by their own acceptance (`request_scale`): a request whose drafts are
+  rejected adds its one token per step and nothing for the drafts, so a batch of such requests turns
+  speculation off (and a probe brings it back for them when their drafts start to pass), while the
+  others keep drafting; with one request running this is a per-request switch. A request admitted
+  where drafts do not pay even alone (`admits_drafting`) runs no module for its whole life, bar one
+  probe request in PROBE_EVERY. Every 4th call at a bucket runs the runner-up instead when it is
+  within a tenth of the best (call times here move by that much, so such widths are ranked by noise
+  until timed again). A call during which JAX built a program (traced, then compiled or read it from
+  a cache) is not a sample. So a step drafts like k = K where drafts pay (few requests, high
+  acceptance) and less, down to 0, where the wider target forward costs more than the tokens it wins
+  (many requests, low acceptance). Both measurements belong to the models, batch size and machine,
+  not to one engine: an engine built again can start from them (`Engine(draft_policy=)`).
   """
 
   PRIOR_WEIGHT: typing.ClassVar[int] = 4  # verifications the prior of `rates` weighs
@@ -63,6 +64,8 @@ class DraftPolicy:
   accepted_at: np.ndarray | None = None  # int64[K]: steps whose draft i was accepted
   proposed_at: np.ndarray | None = None  # int64[K]: steps whose draft i was verified
   choices: dict = dataclasses.field(default_factory=dict)  # bucket -> calls chosen by their measured gain
+  declined: int = 0  # admissions `admits_drafting` declined
+  probe_due: bool = False  # a probe request was admitted: the next call at k = 0 runs k = 1
 
   def __post_init__(self):
     self.accepted_at = np.zeros((self.max_drafts,), np.int64) if self.accepted_at is None else self.accepted_at
@@ -75,22 +78,15 @@ class DraftPolicy:
   def choose(self, num_running: int, scales: list[float] | None = None) -> int:
     """The width of the next call with num_running requests; scales: the running requests' own
     acceptance relative to the pooled one (`request_scale`; None: every request at 1)."""
-    b, widest = self.bucket(num_running), self.max_drafts
-    if not self.seconds.get((widest, b)):
-      return widest  # it sets the scale of the bucket's other widths
-    seconds = {}
-    for k in range(widest, -1, -1):
-      seconds[k] = self.step_seconds(k, b) if self.seconds.get((k, b)) else self._estimate(k, b)
-      if seconds[k] is None:
-        return k  # nothing to estimate it from: try it
-    rate = self.rates()
-    scales = [1.0] * num_running if scales is None else scales
-    # Tokens a step gives each request: its one, plus the drafts it is expected to keep.
-    tokens = {k: sum(1 + sum(min(1.0, c * r) for r in rate[:k]) for c in scales) for k in range(widest + 1)}
-    gain = {k: tokens[k] / seconds[k] for k in range(widest + 1)}
+    b = self.bucket(num_running)
+    untried = self._untried(b)
+    if untried is not None:
+      return untried
+    gain = self._gains(b, [1.0] * num_running if scales is None else scales)
     best = max(gain, key=gain.get)  # a tie: the narrowest
     self.choices[b] = self.choices.get(b, 0) + 1
-    if best == 0 and widest and self.choices[b] % self.PROBE_EVERY == 0:
+    if best == 0 and self.max_drafts and (self.probe_due or self.choices[b] % self.PROBE_EVERY == 0):
+      self.probe_due = False
       return 1
     if self.choices[b] % 4 == 0:
       # A call's time moves by a tenth here, so widths within a tenth of the best are ranked by
@@ -99,6 +95,49 @@ class DraftPolicy:
       if close:
         return max(close, key=gain.get)
     return best
+
+  def drafts_pay(self) -> bool:
+    """Whether drafts at the pooled acceptance pay for a request running alone: some k > 0 beats
+    k = 0 at the smallest bucket whose widths are all timed (or estimated); True before any is."""
+    for b in sorted({b for _, b in self.seconds}):
+      if self._untried(b) is None:
+        gain = self._gains(b, [1.0])
+        return max(gain, key=gain.get) > 0
+    return True
+
+  def admits_drafting(self) -> bool:
+    """Whether a request admitted now drafts for its whole life: where drafts do not pay even for
+    a request alone (`drafts_pay`: its acceptance has collapsed, not merely the batch grown),
+    one runs no module at all (no prefill, no catch-up), except every PROBE_EVERY-th, admitted
+    drafting as a probe (and the next call where k = 0 wins runs k = 1 instead), so acceptance
+    is still measured and speculation comes back for later requests once drafts pay again."""
+    if self.drafts_pay():
+      return True
+    self.declined += 1
+    self.probe_due = self.declined % self.PROBE_EVERY == 0
+    return self.probe_due
+
+  def _untried(self, bucket: int) -> int | None:
+    """A width the bucket has to try before widths can be compared there (None: none): the widest
+    first (it sets the scale of the others), then one neither timed nor estimable."""
+    widest = self.max_drafts
+    if not self.seconds.get((widest, bucket)):
+      return widest
+    for k in range(widest, -1, -1):
+      if not self.seconds.get((k, bucket)) and self._estimate(k, bucket) is None:
+        return k
+    return None
+
+  def _gains(self, bucket: int, scales: list[float]) -> dict[int, float]:
+    """Expected tokens per second of each width k = 0..K at bucket (none of them `_untried`), for
+    requests of acceptance scales."""
+    rate = self.rates()
+    gain = {}
+    for k in range(self.max_drafts + 1):
+      seconds = self.step_seconds(k, bucket) if self.seconds.get((k, bucket)) else self._estimate(k, bucket)
+      # Tokens a step gives each request: its one, plus the drafts it is expected to keep.
+      gain[k] = sum(1 + sum(min(1.0, c * r) for r in rate[:k]) for c in scales) / seconds
+    return gain
 
   def rates(self) -> list[float]:
     """The acceptance rate of each draft position: its measured counts plus PRIOR_WEIGHT

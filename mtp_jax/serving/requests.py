@@ -44,6 +44,7 @@ class Request:
   slot: int | None = None
   pages: int = 0  # pages reserved in each pool while running
   prefilled: int = 0  # prompt tokens written by earlier parts (Engine(prefill_chunk=))
+  drafting: bool = True  # False: an "auto" request admitted where drafts do not pay (DraftPolicy.admits_drafting)
   verify_calls: int = 0
   drafts_verified: int = 0
   drafts_accepted: int = 0
@@ -57,7 +58,8 @@ class Request:
   def stats(self) -> dict:
     """accepted_length: tokens per verify step (after the first token); acceptance: drafts
     accepted over drafts verified (NaN before any was verified); ttft_s: time to first token from
-    add_request; tokens_per_s: generated tokens over the request's whole time."""
+    add_request; tokens_per_s: generated tokens over the request's whole time; drafting: False for
+    an "auto" request admitted where drafts did not pay (it ran no module)."""
     n = len(self.tokens)
     end = self.finished_at or time.perf_counter()
     return dict(prompt_tokens=len(self.prompt), generated_tokens=n, verify_calls=self.verify_calls,
@@ -65,7 +67,7 @@ class Request:
                 drafts_verified=self.drafts_verified, drafts_accepted=self.drafts_accepted,
                 acceptance=self.drafts_accepted / self.drafts_verified if self.drafts_verified else float("nan"),
                 ttft_s=None if self.first_token_at is None else self.first_token_at - self.arrived_at,
-                tokens_per_s=n / (end - self.arrived_at) if n else 0.0)
+                tokens_per_s=n / (end - self.arrived_at) if n else 0.0, drafting=self.drafting)
 
 
 def check_grammar(grammar, constrained, default: grammar_lib.Grammar | None, vocab_size: int,
@@ -121,7 +123,7 @@ def slot_settings(admitted: list[Request], a: int, *, vocab_size: int, max_draft
   for i, r in enumerate(admitted):
     temperature[i], top_k[i] = r.temperature, min(r.top_k or 0, vocab_size)
     top_p[i] = 1.0 if r.top_p is None else r.top_p
-    caps[i] = max_drafts if r.num_drafts == "auto" else r.num_drafts
+    caps[i] = (max_drafts if r.drafting else 0) if r.num_drafts == "auto" else r.num_drafts
     eos[i, :len(r.eos_token_ids)] = r.eos_token_ids
     keys[i] = row_key(r.seed) if r.seed is not None else row_key(seed, r.id)
   return SlotSettings(RowSampling(jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p)),

@@ -234,8 +234,11 @@ class DecodeStep:
     # Position j's token is t_{j+1}: the prompt shifted left, with the first generated token at the end.
     tokens = jnp.concatenate([prompts_BxT[:, 1:], prompts_BxT[:, :1]], axis=1)
     tokens = tokens.at[jnp.arange(b), jnp.maximum(lens_B - 1, 0)].set(first_B)
-    drafts, tree_probs, pstate = self.drafter.draft(proposer, grammar, pstate, hid, tokens, jnp.where(ok_B, lens_B, 0),
-                                                    gstate_B, s.slots, s.num_out, read)
+    # A slot that verifies no drafts (num_drafts 0) gets no module rows, now or later.
+    drafts, tree_probs, pstate = _draft_unless_idle(
+        lambda pstate, hid, tokens, num_new: self.drafter.draft(proposer, grammar, pstate, hid, tokens, num_new,
+                                                                gstate_B, s.slots, s.num_out, read),
+        pstate, hid, tokens, jnp.where(ok_B & (s.slots.num_drafts > 0), lens_B, 0))
     keep = lambda new, prev: jnp.where(admit_B.reshape((b,) + (1,) * (new.ndim - 1)), new, prev)
     pstate = pstate.set(num_drafted=keep(pstate.num_drafted, old.num_drafted),
                         draft_probs=None if old.draft_probs is None else keep(pstate.draft_probs, old.draft_probs))
@@ -244,20 +247,25 @@ class DecodeStep:
     return self._stop_out_of_pages(s)
 
   def prefill_part(self, target, proposer, grammar, s: LoopState, slot_1, prompt_1xT, len_1, next_1xT,
-                   read: PageRead = WHOLE_POOL) -> LoopState:
+                   read: PageRead = WHOLE_POOL, drafting_1=None) -> LoopState:
     """Writes one part of a prompt, not its last, into slot slot_1 (int32[1]): prompt_1xT (int32[1, T],
     len_1 (int32[1]) tokens of it) continue the slot's target and proposer rows; next_1xT holds
     the token after each (the prompt shifted by one). Nothing is emitted or drawn: the slot stays
     done (not decoding) until `prefill` admits the prompt's last part. Only that slot is
-    computed, so a long prompt costs the running requests one part per call, not the whole."""
+    computed, so a long prompt costs the running requests one part per call, not the whole.
+    drafting_1: bool[1], False for a request that will verify no drafts (its modules get no
+    rows); None: True."""
     def part(sub: LoopState) -> LoopState:
       _, hid, tstate = target_step(target, sub.target, prompt_1xT, len_1, read=read)
       sub = sub.set(target=tstate)
       if proposer is None:
         return sub
       # Its drafts are never read (the last part's propose treats them as rejected).
-      _, _, pstate = self.drafter.draft(proposer, None, sub.proposer, hid, next_1xT, len_1, None, sub.slots,
-                                        sub.num_out, read)
+      num_new_1 = len_1 if drafting_1 is None else jnp.where(drafting_1, len_1, 0)
+      _, _, pstate = _draft_unless_idle(
+          lambda pstate, hid, tokens, num_new: self.drafter.draft(proposer, None, pstate, hid, tokens, num_new, None,
+                                                                  sub.slots, sub.num_out, read),
+          sub.proposer, hid, next_1xT, num_new_1)
       return sub.set(proposer=pstate)
     return self._on_slots(s, slot_1, part)
 
@@ -319,12 +327,14 @@ class DecodeStep:
     if proposer is None:
       return self._stop_out_of_pages(s2)
     pstate = prop.after_verify(s.proposer, a_B)
-    num_new = jnp.where(s2.done, 0, a_B + 1)
+    # A slot that verifies no drafts (num_drafts 0: a fixed 0, or "auto" admitted where drafts do
+    # not pay) never needs its modules' rows, so they get none.
+    num_new = jnp.where(s2.done | (s.slots.num_drafts == 0), 0, a_B + 1)
     draft = lambda pstate, hid, tokens, num_new: self.drafter.draft(proposer, grammar, pstate, hid, tokens, num_new,
                                                                     s2.grammar_state, s2.slots, s2.num_out, read)
     deferred = s.deferred
     if deferred is None:
-      drafts, tree_probs, pstate = draft(pstate, hid, new_BxK1, num_new)
+      drafts, tree_probs, pstate = _draft_unless_idle(draft, pstate, hid, new_BxK1, num_new)
     elif k == 0:  # no drafts: the row waits; the modules catch up on the kept rows once they fill
       deferred = deferred.kept(hid, new_BxK1, num_new)
       pstate, deferred = jax.lax.cond(deferred.full, lambda: (draft(pstate, deferred.hid, deferred.tok, deferred.n)[2],
@@ -370,3 +380,13 @@ class DecodeStep:
     s = s.set(target=reset_target_slots(s.target, mask_B), done=s.done | mask_B,
               deferred=None if s.deferred is None else s.deferred.emptied(mask_B))
     return s if s.proposer is None else s.set(proposer=prop.reset_slots(s.proposer, mask_B))
+
+
+def _draft_unless_idle(draft, pstate, hid, tokens, num_new_B):
+  """draft(pstate, hid, tokens, num_new_B), or nothing when no slot has a new row (every running
+  slot verifies no drafts): zero drafts and pstate as it was, at the cost of a predicate."""
+  def idle():
+    drafts, probs, out = jax.eval_shape(draft, pstate, hid, tokens, num_new_B)
+    zeros = lambda x: None if x is None else jnp.zeros(x.shape, x.dtype)
+    return zeros(drafts), zeros(probs), pstate.set(num_live=out.num_live)  # the static num_live as drafting sets it
+  return jax.lax.cond(jnp.any(num_new_B > 0), lambda: draft(pstate, hid, tokens, num_new_B), idle)
