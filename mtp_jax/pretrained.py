@@ -45,7 +45,7 @@ def read_model_config(path) -> dict:
   return dict(layouts.check_hf_config(read_json(file), file))
 
 
-def _dtype(config: Mapping, dtype) -> str:
+def config_dtype(config: Mapping, dtype) -> str:
   """The compute dtype: `dtype`, else the checkpoint's ("dtype", or "torch_dtype" in transformers v4
   configs), else float32; bf16 checkpoints stay bf16. FP8 or integer dtypes cannot compute and are
   refused by name (FP8 checkpoints' configs say bfloat16 and carry a quantization_config)."""
@@ -76,7 +76,7 @@ def target_config_from_hf(config: Mapping, *, dtype=None) -> TargetConfig:
     raise validate.InvalidValue("config.json: num_hidden_layers",
                                 "config.json has no 'num_hidden_layers' (the target's layer count)")
   return TargetConfig(**layouts.block_kwargs_from_hf(config), vocab_size=config["vocab_size"],
-                      num_layers=config["num_hidden_layers"], dtype=_dtype(config, dtype))
+                      num_layers=config["num_hidden_layers"], dtype=config_dtype(config, dtype))
 
 
 def _mesh(mesh):
@@ -152,8 +152,8 @@ def _checked(read, name: str, what: str, allow_nonfinite: bool, kept_fp8: bool =
   return checked
 
 
-def _build(ctor, canonical, tensors: Mapping, what: str, allow_nonfinite: bool = False, mesh: Mesh | None = None,
-           fp8_dtype: str | None = None):
+def build_from_tensors(ctor, canonical, tensors: Mapping, what: str, allow_nonfinite: bool = False,
+                       mesh: Mesh | None = None, fp8_dtype: str | None = None):
   """ctor() as an abstract model, its params filled from tensors (canonical name -> array or
   TensorSource), each cast to the dtype the model gives that param (routers stay float32 in a bf16
   model); with mesh, each placed block by block into its sharding.param_specs sharding. A tensor
@@ -231,8 +231,8 @@ def load_target(path, *, dtype=None, allow_nonfinite: bool = False, mesh: Mesh |
   cfg = target_config_from_hf(config, dtype=dtype)
   with CheckpointReader(path, fp8=layouts.fp8_from_hf(config, cfg.dtype)) as reader:
     tensors = _target_tensors(reader, config, cfg)
-    return _build(lambda: TargetModel(cfg, rngs=nnx.Rngs(0)), hf_name, tensors, f"{path}", allow_nonfinite, mesh,
-                  cfg.dtype if keep else None)
+    return build_from_tensors(lambda: TargetModel(cfg, rngs=nnx.Rngs(0)), hf_name, tensors, f"{path}",
+                              allow_nonfinite, mesh, cfg.dtype if keep else None)
 
 
 def load_mtp(path, *, dtype=None, max_depth: int | None = None, allow_nonfinite: bool = False,
@@ -248,18 +248,18 @@ def load_mtp(path, *, dtype=None, max_depth: int | None = None, allow_nonfinite:
   if bad:
     raise TypeError(f"unknown convention(s) {bad}; expected some of {layouts.CONVENTION_FIELDS}")
   layouts.refuse_mtp(config)
-  with CheckpointReader(path, fp8=layouts.fp8_from_hf(config, _dtype(config, dtype))) as reader:
+  with CheckpointReader(path, fp8=layouts.fp8_from_hf(config, config_dtype(config, dtype))) as reader:
     layout = layouts.detect_layout(reader.keys())
     base = layouts.config_from_hf(config, layout=layout, names=reader.keys())
     cfg = MtpConfig(**{**base.__dict__, **conventions, "max_depth": max_depth,
-                       "dtype": _dtype(config, dtype)})
+                       "dtype": config_dtype(config, dtype)})
     key = families.LAYOUTS[layout].first_layer_key
     first_layer = config.get(key) if key else None
     tensors = layouts.to_canonical(reader, layout, cfg, first_layer=first_layer,
                                    tied=bool(config.get("tie_word_embeddings", False)), lazy=True,
                                    family=layouts.family_of(config, layout))
-    return _build(lambda: MtpModel(cfg, rngs=nnx.Rngs(0)), canonical_name, tensors, f"{path}", allow_nonfinite,
-                  mesh, cfg.dtype if keep else None)
+    return build_from_tensors(lambda: MtpModel(cfg, rngs=nnx.Rngs(0)), canonical_name, tensors, f"{path}",
+                              allow_nonfinite, mesh, cfg.dtype if keep else None)
 
 
 def from_pretrained(path, *, dtype=None, max_depth: int | None = None, allow_nonfinite: bool = False,

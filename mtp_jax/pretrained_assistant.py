@@ -22,7 +22,7 @@ from mtp_jax import families, validate
 from mtp_jax.assistant import Gemma4Assistant, Gemma4AssistantConfig, LayerKind
 from mtp_jax.checkpoint import CheckpointReader, read_json
 from mtp_jax.mtp import param_names
-from mtp_jax.pretrained import _build, _dtype
+from mtp_jax.pretrained import build_from_tensors, config_dtype
 
 ASSISTANT_FAMILY = "gemma4_assistant"
 
@@ -111,7 +111,7 @@ def assistant_config_from_hf(config: Mapping, *, dtype=None, file: str = "config
         full=kinds["full_attention"], rms_norm_eps=float(text.get("rms_norm_eps", 1e-6)),
         use_ordered_embeddings=bool(config.get("use_ordered_embeddings", False)),
         num_centroids=config.get("num_centroids", 2048), centroid_top_k=config.get("centroid_intermediate_top_k", 32),
-        dtype=_dtype(config, dtype))
+        dtype=config_dtype(config, dtype))
   except (validate.InvalidValue, validate.InvalidType) as e:
     raise validate.renamed(e, file) from e
 
@@ -154,4 +154,4 @@ def load_assistant(path, *, dtype=None, allow_nonfinite: bool = False) -> Gemma4
   ctor = lambda: Gemma4Assistant(cfg, rngs=nnx.Rngs(0))
   want = set(param_names(nnx.eval_shape(ctor), lambda n: n))
   with CheckpointReader(path) as reader:
-    return _build(ctor, lambda n: n, _tensors(reader, cfg, want), f"{path}", allow_nonfinite)
+    return build_from_tensors(ctor, lambda n: n, _tensors(reader, cfg, want), f"{path}", allow_nonfinite)
