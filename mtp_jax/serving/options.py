@@ -81,9 +81,10 @@ class StepSettings:
   draft_masks: "per_position", "first" or "none" (see `generate`). mesh: place the states on a
   ("data", "model") mesh. verify_drafts: drafts the target verifies per step, 0..num_drafts
   (default all); the proposer drafts that many and its deeper modules catch up, so the next
-  call may verify any number. deferred_rows: W > 0 (a chain): a step at width 0 runs no module
-  and keeps its verified row (`LoopState.deferred`); the modules catch up on the kept rows in
-  one call when drafts come back or W rows are kept. 0: every step hands the modules its rows.
+  call may verify any number. deferred_rows: W > 0 (a chain): a step at width k < num_drafts
+  runs modules 0..k-1 only (none at 0) and keeps its verified rows (`LoopState.deferred`); the
+  deeper modules catch up on the kept rows in one call when a wider step needs them or the
+  next rows would not fit in W. 0: every step hands every module its rows.
   """
 
   num_drafts: int
@@ -155,9 +156,10 @@ class EngineConfig:
   draft_policy: the `DraftPolicy` of num_drafts="auto" (None: a new one). Its step times belong
     to the models, batch size and machine, not to one engine: an engine built again on the same
     ones can take the first one's and skip measuring every width anew.
-  deferred_rows: under num_drafts="auto", a step at width 0 runs no module: the modules catch up
-    on up to this many verified rows per slot in one call, when drafts come back or the rows
-    fill (0: they run every step, over its row). Only "auto" engines defer.
+  deferred_rows: under num_drafts="auto", a step at width k < K runs modules 0..k-1 only (none
+    at 0): the deeper ones catch up on up to this many verified rows per slot in one call, when
+    a wider step needs them or the rows fill (0: every module runs every step, over its rows).
+    Only "auto" engines defer.
   """
 
   max_batch: int = 8

@@ -170,7 +170,8 @@ class Drafter:
   The work follows the width: a step that verifies `verify_width` < num_drafts drafts (the
   Engine's num_drafts="auto"), over a proposer of num_drafts = K modules, drafts only that many;
   the deeper modules run over the newly verified rows alone (catch_up: no drafted rows, no head,
-  no draws), so they stay current and any width may follow. A step that verifies all it drafts,
+  no draws), so they stay current and any width may follow; or, lagging, they do not run and the
+  step keeps their rows for later (`Deferred`). A step that verifies all it drafts,
   or a proposer deeper than num_drafts (its deeper modules never run: catch_up=False), drafts
   num_drafts."""
 
@@ -182,22 +183,26 @@ class Drafter:
   verify_width: int | None = None
 
   def draft(self, proposer, grammar, pstate, hid_BxTxD, tokens_BxT, num_new_B, gstate_B, slots: SlotSettings,
-            positions_B, read: PageRead = WHOLE_POOL):
+            positions_B, read: PageRead = WHOLE_POOL, lagging: bool = False):
     """(drafts int32[B, num_drafts] (zeros past the drafted ones) or the tree's int32[B, N], a
     tree's draft distributions float32[B, M, V] or None, new state); positions_B int32[B]: the
-    output position of the first draft; read: how a paged state's call reads its pages."""
+    output position of the first draft; read: how a paged state's call reads its pages;
+    lagging: at a narrower width, the deeper modules do not run (the caller keeps their rows:
+    `Deferred`), and the state's static num_live stays as it came."""
     masked = self.draft_masks != "none" and grammar is not None
     gumbel = self.acceptance == "gumbel"
     narrow = (self.tree is None and self.verify_width is not None and self.verify_width < self.num_drafts
               and proposer.cfg.num_depths == self.num_drafts)
-    settings = prop.ProposeSettings(self.verify_width if narrow else self.num_drafts, catch_up=narrow,
+    settings = prop.ProposeSettings(self.verify_width if narrow else self.num_drafts, catch_up=narrow and not lagging,
                                     tree=self.tree, grammar_per_position=self.draft_masks == "per_position",
                                     tree_draws="top" if gumbel else "independent", read=read)
     draws = None
     if self.sampled:
       draws = Draws.of(slots.sampling, slots.keys, NOISE_TARGET if gumbel else NOISE_DRAFT, positions_B)
-    drafts, pstate = prop.propose_step(proposer, pstate, hid_BxTxD, tokens_BxT, num_new_B, settings, draws,
-                                       grammar if masked else None, gstate_B if masked else None)
+    drafts, new_pstate = prop.propose_step(proposer, pstate, hid_BxTxD, tokens_BxT, num_new_B, settings, draws,
+                                           grammar if masked else None, gstate_B if masked else None)
+    # The loop state's structure is one for every width; what lags is the caller's to track.
+    pstate = new_pstate.set(num_live=pstate.num_live) if narrow and lagging else new_pstate
     if self.tree is not None:
       return drafts.tokens, drafts.probs, pstate
     pad = self.num_drafts - drafts.shape[1]

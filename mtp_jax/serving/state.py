@@ -109,35 +109,74 @@ class StepCounts:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Deferred:
-  """Verified positions the proposer has not consumed yet (StepSettings.deferred_rows = W).
+  """Verified positions some modules have not consumed yet (StepSettings.deferred_rows = W).
 
-  A step at width 0 hands the modules nothing: it keeps its newly verified row here, and the
-  modules catch up on every kept row in one call, when drafts come back or the buffer fills, so
-  a run of W steps without drafts costs one K-module call over W rows instead of W calls over
-  one. hid dtype[B, W, D]: the target hiddens of those positions, in order; tok int32[B, W]: the
-  token after each; n int32[B]: rows kept per slot.
+  A step at width k < K runs modules 0..k-1 only (none at k = 0): it keeps its newly verified
+  rows here, and modules k..K-1 catch up on every kept row in one call, when a step needs them
+  (a wider one) or the rows would not fit. Module k's input at a kept row is module k-1's output
+  there, which its ring no longer holds, so that call puts the slot's proposer back as it was
+  when its rows began to wait (`began`) and runs the chain over them all. A run of W rows at
+  width 0 thus costs one K-module call instead of W, and a run at width k one call of the K - k
+  deeper modules instead of one per step.
+
+  hid dtype[B, W, D]: the target hiddens of those positions, in order; tok int32[B, W]: the
+  token after each; n int32[B]: rows kept per slot; width int32[B]: the narrowest width a step
+  ran since the slot's rows began to wait (modules width..K-1 lag; meaningless where n = 0);
+  lengths int32[K, B], num_pos int32[B], tail (K - 1) x dtype[B, K, D]: the proposer's as the
+  wait began (`ProposerState`'s fields of those names).
   """
 
   hid: jax.Array = axes("batch", None, "embed")
   tok: jax.Array = axes("batch", None)
   n: jax.Array = axes("batch")
+  width: jax.Array = axes("batch")
+  lengths: jax.Array = axes(None, "batch")
+  num_pos: jax.Array = axes("batch")
+  tail: tuple[jax.Array, ...] = axes("batch", None, "embed")
 
   @classmethod
-  def zeros(cls, batch_size: int, rows: int, hidden_size: int, dtype) -> "Deferred":
-    b = batch_size
-    return cls(jnp.zeros((b, rows, hidden_size), dtype), jnp.zeros((b, rows), jnp.int32), jnp.zeros((b,), jnp.int32))
+  def zeros(cls, rows: int, hidden_size: int, dtype, proposer: prop.ProposerState) -> "Deferred":
+    """Nothing kept, for `proposer`'s slots (its batch size, depths and rings)."""
+    b = proposer.batch_size
+    return cls(jnp.zeros((b, rows, hidden_size), dtype), jnp.zeros((b, rows), jnp.int32), jnp.zeros((b,), jnp.int32),
+               jnp.zeros((b,), jnp.int32), jnp.zeros_like(proposer.lengths), jnp.zeros_like(proposer.num_pos),
+               tuple(jnp.zeros_like(t) for t in proposer.tail))
 
-  @property
-  def full(self) -> jax.Array:
-    """bool[]: some slot holds W rows (the next row would not fit)."""
-    return jnp.any(self.n >= self.hid.shape[1])
+  def lags(self, width: int, num_new_B) -> jax.Array:
+    """bool[]: a step at this width must first catch up: a waiting slot's modules below it lag,
+    or a slot's num_new_B (int32[B]) rows would not fit."""
+    return jnp.any((self.n > 0) & (self.width < width)) | jnp.any(self.n + num_new_B > self.hid.shape[1])
 
-  def kept(self, hid_Bx1xD, tok_Bx1, num_new_B) -> "Deferred":
-    """These rows and each slot's new one (num_new_B int32[B], 0 or 1) after them."""
-    b, w = self.n.shape[0], self.hid.shape[1]
-    at_B = jnp.where(num_new_B > 0, self.n, w)  # index W is dropped: nothing wraps around
-    return Deferred(self.hid.at[jnp.arange(b), at_B].set(hid_Bx1xD[:, 0].astype(self.hid.dtype), mode="drop"),
-                    self.tok.at[jnp.arange(b), at_B].set(tok_Bx1[:, 0], mode="drop"), self.n + num_new_B)
+  def began(self, proposer: prop.ProposerState) -> "Deferred":
+    """The slots with no rows kept remember `proposer` (settled, before this step's propose) as
+    the state their next kept rows continue."""
+    empty_B = self.n == 0
+    at = lambda new, old: jnp.where(empty_B.reshape((-1,) + (1,) * (new.ndim - 1)), new, old)
+    return dataclasses.replace(self, lengths=jnp.where(empty_B[None], proposer.lengths, self.lengths),
+                               num_pos=at(proposer.num_pos, self.num_pos),
+                               tail=tuple(at(t, old) for t, old in zip(proposer.tail, self.tail)))
+
+  def restored(self, proposer: prop.ProposerState) -> prop.ProposerState:
+    """`proposer` with each waiting slot's positions, lengths and rings as its wait began. Its
+    cache rows past them are left: rows are position-addressed and rewritten before they are
+    read."""
+    wait_B = self.n > 0
+    at = lambda old, new: jnp.where(wait_B.reshape((-1,) + (1,) * (new.ndim - 1)), old, new)
+    return proposer.set(lengths=jnp.where(wait_B[None], self.lengths, proposer.lengths),
+                        num_pos=at(self.num_pos, proposer.num_pos),
+                        tail=tuple(at(old, t) for old, t in zip(self.tail, proposer.tail)))
+
+  def kept(self, hid_BxTxD, tok_BxT, num_new_B, width: int) -> "Deferred":
+    """These rows and each slot's num_new_B (int32[B], at most W - n: `lags`) new ones after
+    them, kept by a step at this width."""
+    b, w, t = self.n.shape[0], self.hid.shape[1], tok_BxT.shape[1]
+    u_BxT = jnp.arange(t, dtype=jnp.int32)[None]
+    at_BxT = jnp.where(u_BxT < num_new_B[:, None], self.n[:, None] + u_BxT, w)  # index W is dropped
+    rows = jnp.arange(b)[:, None]
+    return dataclasses.replace(
+        self, hid=self.hid.at[rows, at_BxT].set(hid_BxTxD.astype(self.hid.dtype), mode="drop"),
+        tok=self.tok.at[rows, at_BxT].set(tok_BxT, mode="drop"), n=self.n + num_new_B,
+        width=jnp.where(self.n > 0, jnp.minimum(self.width, width), width))
 
   def joined(self, hid_BxTxD, tok_BxT, num_new_B):
     """(hiddens dtype[B, W + T, D], tokens int32[B, W + T], count int32[B]): each slot's kept rows,

@@ -108,7 +108,7 @@ class DecodeStep:
     n_drafts = k if st.tree is None else st.tree.num_nodes  # every draft, whatever a step verifies
     deferred = None
     if st.deferred_rows and proposer is not None:
-      deferred = Deferred.zeros(b, st.deferred_rows, target.cfg.hidden_size, target.cfg.jnp_dtype)
+      deferred = Deferred.zeros(st.deferred_rows, target.cfg.hidden_size, target.cfg.jnp_dtype, pstate)
     s = LoopState(target=tstate, proposer=pstate, last=zeros(), drafts=jnp.zeros((b, n_drafts), jnp.int32),
                   grammar_state=None if grammar is None else jnp.full((b,), grammar_lib.FREE, jnp.int32),
                   out=jnp.zeros((b, self.out_width()), jnp.int32), num_out=zeros(), done=jnp.ones((b,), bool),
@@ -240,6 +240,8 @@ class DecodeStep:
                                                                 gstate_B, s.slots, s.num_out, read),
         pstate, hid, tokens, jnp.where(ok_B & (s.slots.num_drafts > 0), lens_B, 0))
     keep = lambda new, prev: jnp.where(admit_B.reshape((b,) + (1,) * (new.ndim - 1)), new, prev)
+    # A running slot whose deeper modules lag (`Deferred`) may see them run here over rows whose
+    # inputs its rings no longer hold: harmless, its catch-up restores them as its wait began.
     pstate = pstate.set(num_drafted=keep(pstate.num_drafted, old.num_drafted),
                         draft_probs=None if old.draft_probs is None else keep(pstate.draft_probs, old.draft_probs))
     s = s.set(proposer=pstate, drafts=keep(drafts, s.drafts),
@@ -330,21 +332,15 @@ class DecodeStep:
     # A slot that verifies no drafts (num_drafts 0: a fixed 0, or "auto" admitted where drafts do
     # not pay) never needs its modules' rows, so they get none.
     num_new = jnp.where(s2.done | (s.slots.num_drafts == 0), 0, a_B + 1)
-    draft = lambda pstate, hid, tokens, num_new: self.drafter.draft(proposer, grammar, pstate, hid, tokens, num_new,
-                                                                    s2.grammar_state, s2.slots, s2.num_out, read)
+    def draft(pstate, hid, tokens, num_new, lagging=False):
+      return self.drafter.draft(proposer, grammar, pstate, hid, tokens, num_new, s2.grammar_state, s2.slots,
+                                s2.num_out, read, lagging)
     deferred = s.deferred
     if deferred is None:
       drafts, tree_probs, pstate = _draft_unless_idle(draft, pstate, hid, new_BxK1, num_new)
-    elif k == 0:  # no drafts: the row waits; the modules catch up on the kept rows once they fill
-      deferred = deferred.kept(hid, new_BxK1, num_new)
-      pstate, deferred = jax.lax.cond(deferred.full, lambda: (draft(pstate, deferred.hid, deferred.tok, deferred.n)[2],
-                                                              deferred.emptied()), lambda: (pstate, deferred))
-      drafts, tree_probs = jnp.zeros_like(s.drafts), None
-    else:  # drafts again: the modules read the kept rows before this step's, in the same call
-      drafts, tree_probs, pstate = jax.lax.cond(jnp.any(deferred.n > 0),
-                                                lambda: draft(pstate, *deferred.joined(hid, new_BxK1, num_new)),
-                                                lambda: draft(pstate, hid, new_BxK1, num_new))
-      deferred = deferred.emptied()
+    else:
+      drafts, tree_probs, pstate, deferred = _draft_deferring(draft, k, self.drafter.num_drafts, pstate, deferred,
+                                                              hid, new_BxK1, num_new)
     tree_probs = None if s.tree_probs is None else tree_probs  # kept for rejection sampling only
     return self._stop_out_of_pages(s2.set(proposer=pstate, drafts=drafts, tree_probs=tree_probs, deferred=deferred))
 
@@ -380,6 +376,33 @@ class DecodeStep:
     s = s.set(target=reset_target_slots(s.target, mask_B), done=s.done | mask_B,
               deferred=None if s.deferred is None else s.deferred.emptied(mask_B))
     return s if s.proposer is None else s.set(proposer=prop.reset_slots(s.proposer, mask_B))
+
+
+def _draft_deferring(draft, k: int, full: int, pstate, deferred: Deferred, hid, tokens, num_new_B):
+  """(drafts, draft distributions or None, new proposer state, new `Deferred`) of a step at width
+  k of at most `full` drafts that defers the modules past k (draft(..., lagging=True) runs k).
+
+  A step at full width, or one whose width a waiting slot's modules lag behind, or whose rows
+  would not fit, first puts each waiting slot's proposer back as its wait began and runs the
+  chain over the kept rows and its own (every module current after it); any other step runs
+  modules 0..k-1 over its rows (none at k = 0) and keeps them for the deeper ones."""
+  def catch_up():
+    drafts, probs, p = draft(deferred.restored(pstate), *deferred.joined(hid, tokens, num_new_B))
+    return drafts, probs, p, deferred.emptied()
+
+  if k == full:
+    return jax.lax.cond(jnp.any(deferred.n > 0), catch_up,
+                        lambda: (*draft(pstate, hid, tokens, num_new_B), deferred))
+
+  def wait():
+    kept = deferred.began(pstate).kept(hid, tokens, num_new_B, k)
+    if k == 0:
+      drafts, probs, _ = jax.eval_shape(draft, pstate, hid, tokens, num_new_B)
+      return jnp.zeros(drafts.shape, drafts.dtype), None if probs is None else jnp.zeros(probs.shape, probs.dtype), \
+          pstate, kept
+    return *draft(pstate, hid, tokens, num_new_B, lagging=True), kept
+
+  return jax.lax.cond(deferred.lags(k, num_new_B), catch_up, wait)
 
 
 def _draft_unless_idle(draft, pstate, hid, tokens, num_new_B):
