@@ -19,7 +19,9 @@ p99 and decode calls (`--json PATH` writes every cell; `plots.py` draws tokens/s
 max_batch from it).
 
 All greedy. Each configuration runs until a pass compiles nothing (a long-running server compiles
-each program once); the median of 3 such passes is shown. Before the
+each program once); then the configurations of a table run in turns, 3 rounds of one pass each,
+and the median of each one's 3 passes is shown (a drift of the machine's speed falls on all of
+them alike). Before the
 "auto" rows, the stream also runs once at each fixed k = 0..K, which compiles most steps "auto"
 may pick. The counts of outputs equal to generate's are printed.
 Run: python benchmarks/serve_bench.py [--quick] [--json PATH].
@@ -93,25 +95,40 @@ jax.monitoring.register_event_duration_secs_listener(
     else None)
 
 
-def _settled(fn, max_passes: int, repeats: int):
-  """fn's result of median wall time over `repeats` passes that compiled nothing (a compile takes
-  seconds here, which a warm server pays once per program, not per request), running up to
-  max_passes + repeats passes (with fewer such passes, a note: the median of those, or of the
-  last pass when none). Which programs a stream needs depends on its timing (admissions grouped
-  differently, another width under "auto"), so one warm-up pass may not do. The median, because
-  this machine's speed moves by a tenth from one pass to the next."""
-  clean = []
-  for _ in range(max_passes + repeats):
+def _side_by_side(fns, max_passes: int, repeats: int) -> list[dict]:
+  """Each fn's result of median wall time over `repeats` passes that compiled nothing, taken in
+  turns: round r runs every fn once, so a drift of this machine's speed (a pass's time moves by a
+  tenth from one pass to the next) falls on every configuration of a table alike. Before the
+  rounds each fn runs until a pass compiles nothing (a compile takes seconds here, which a warm
+  server pays once per program, not per request), up to max_passes; which programs a stream needs
+  depends on its timing (admissions grouped differently, another width under "auto"), so a timed
+  pass may still compile: it is run again, up to max_passes more times (with fewer clean passes,
+  a note: the median of those, or of the last pass when none)."""
+  def clean_pass(fn):
     before = len(_COMPILES)
     result = fn()
-    if len(_COMPILES) == before:
-      clean.append(result)
-      if len(clean) == repeats:
+    return result, len(_COMPILES) == before
+
+  for fn in fns:
+    for _ in range(max_passes):
+      if clean_pass(fn)[1]:
         break
-  else:
-    print(f"note: only {len(clean)} of {max_passes + repeats} passes of a configuration compiled nothing")
-  timed = sorted(clean or [result], key=lambda r: r["wall"])
-  return timed[len(timed) // 2]
+  clean, last, spare = [[] for _ in fns], [None] * len(fns), [max_passes] * len(fns)
+  while any(len(c) < repeats and s >= 0 for c, s in zip(clean, spare)):
+    for i, fn in enumerate(fns):
+      if len(clean[i]) < repeats and spare[i] >= 0:
+        last[i], ok = clean_pass(fn)
+        if ok:
+          clean[i].append(last[i])
+        else:
+          spare[i] -= 1
+  out = []
+  for c, result in zip(clean, last):
+    if len(c) < repeats:
+      print(f"note: only {len(c)} of {repeats} timed passes of a configuration compiled nothing")
+    timed = sorted(c or [result], key=lambda r: r["wall"])
+    out.append(timed[len(timed) // 2])
+  return out
 
 
 def _stream_table(name, target, proposer, opts, k):
@@ -127,7 +144,7 @@ def _stream_table(name, target, proposer, opts, k):
           ('Engine, "auto", policy kept', engine(proposer, "auto", policy)),
           ("Engine, k=K", engine(proposer, k)),
           ("Engine, no proposer (k=0)", engine(None, None))]
-  runs = [(label, _settled(fn, opts["passes"], opts["repeats"])) for label, fn in runs]
+  runs = list(zip([label for label, _ in runs], _side_by_side([fn for _, fn in runs], opts["passes"], opts["repeats"])))
   base = runs[0][1]
   print(f"\n## {name}: {len(requests)} requests at once, {b} slots, K={k}; prompts {opts['prompt_lens'][0]}.."
         f"{opts['prompt_lens'][1]} bytes, outputs {opts['output_lens'][0]}..{opts['output_lens'][1]} tokens\n")
@@ -166,8 +183,8 @@ def _batch_table(name, target, proposer, opts, k, cells):
     run = lambda prop, nd: lambda: _engine_pass(target, prop, requests, opts, "auto" if nd == "calibrated" else nd,
                                                 b, calibrated if nd == "calibrated" else None)
     rates, row = [], []
-    for label, prop, nd in widths:
-      r = _settled(run(prop, nd), opts["passes"], opts["repeats"])
+    for (label, _, _), r in zip(widths, _side_by_side([run(prop, nd) for _, prop, nd in widths], opts["passes"],
+                                                      opts["repeats"])):
       rates.append(tokens / r["wall"])
       cell = dict(model=name, max_batch=b, width=label, tokens_per_s=rates[-1], decode_calls=r["calls"],
                   ttft_p50=_q(r["ttft"], .5), ttft_p99=_q(r["ttft"], .99), itl_p50=r["itl"][0], itl_p99=r["itl"][1])

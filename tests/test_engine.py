@@ -244,15 +244,27 @@ class _ScriptedWidths(DraftPolicy):
     return next(self.widths, K)
 
 
-@pytest.mark.parametrize("deferred_rows", [32, 3])
-def test_module_work_follows_the_width_and_drafts_stay_exact(deferred_rows):
+def _width_history(seed: int) -> list[int]:
+  """A random width history: width 1 while two requests are admitted (a prefill over lagging
+  slots), a long run at 0, then runs of 1..4 calls at each width (each at least three times) in a
+  random order, with another long run at 0 among them."""
+  rng = np.random.default_rng(seed)
+  widths = [0, 1, 2, K] * 3 + [int(w) for w in rng.integers(0, K + 1, 6)]
+  rng.shuffle(widths)
+  runs = [[w] * int(rng.integers(1, 5)) for w in widths]
+  runs.insert(int(rng.integers(1, len(runs))), [0] * 8)
+  return [1, 1, 1] + [0] * 6 + [w for run in runs for w in run]
+
+
+@pytest.mark.parametrize("deferred_rows, seed", [(32, 0), (3, 1)])
+def test_module_work_follows_the_width_and_drafts_stay_exact(deferred_rows, seed):
   """Under "auto" a call at width k < K runs modules 0..k-1 only: the deeper modules' rows wait
   (`Deferred`, up to deferred_rows per slot) and they catch up on them all in one call when a
-  wider step needs them or the rows would not fit (3: often). Over a scripted width history with
-  long runs at 0, each step's drafts equal those of an engine whose every module consumes every
-  row at once (deferred_rows=0, the property-tested catch-up), every greedy request equals
-  generate alone and the seeded sampled one plain sampling with its seed."""
-  script = [1, 1, 1] + [0] * 6 + [K, 1, 0, 0, 0, 2, K, K, 0, 1, 1, 0, 0, 0, 0, K, 1, 1, 1, 2, 2, K] * 3
+  wider step needs them or the rows would not fit (3: often). Over a random width history with
+  long runs at 0 (`_width_history`), each step's drafts equal those of an engine whose every
+  module consumes every row at once (deferred_rows=0, the property-tested catch-up), every greedy
+  request equals generate alone and the seeded sampled one plain sampling with its seed."""
+  script = _width_history(seed)
   engines = [Engine(TARGET5, PROPOSER5, max_batch=3, max_len=64, page_size=2, num_pages=64,
                     draft_policy=_ScriptedWidths(script), steps_per_call=1, deferred_rows=rows)
              for rows in (0, deferred_rows)]
@@ -391,6 +403,7 @@ def test_draft_policy_tries_each_width_then_picks_the_most_tokens_per_second():
   assert [one.choose(1) for _ in range(4)] == [0, 0, 0, 0]
   one.record(1, 1, 0.014)  # k=1 1.5 / 0.017 = 88, within a tenth of 95
   assert [one.choose(1) for _ in range(4)] == [0, 0, 0, 1]
+
 
 
 def test_deeper_drafts_never_verified_take_their_prior_from_the_measured_ones():
@@ -553,7 +566,7 @@ def test_a_measured_policy_round_trips_through_json_and_starts_a_served_engine(t
 def test_requests_admitted_where_drafts_do_not_pay_run_no_module():
   """Once drafts do not pay even for a request alone (all rejected), an "auto" request is admitted
   without drafting: its modules get no rows (no prefill, no catch-up) and its output is exact,
-  greedy or seeded; every PROBE_EVERY-th such admission drafts, so acceptance is still measured."""
+  greedy or seeded; every PROBE_REQUEST_EVERY-th such admission drafts, so acceptance is still measured."""
   policy = DraftPolicy(K)
   assert policy.drafts_pay()  # nothing timed yet
   for b in (1, 2):
@@ -576,7 +589,7 @@ def test_requests_admitted_where_drafts_do_not_pay_run_no_module():
     assert engine.requests[rid].tokens == _alone(tuple(engine.requests[rid].prompt))[:16]
   assert engine.requests[sampled].tokens == mtp_jax.generate(TARGET5, None, [[2, 2, 4, 1]], 16, temperature=1.0,
                                                              seed=5).tokens[0]
-  policy.declined = DraftPolicy.PROBE_EVERY - 1
+  policy.declined = DraftPolicy.PROBE_REQUEST_EVERY - 1
   probe = engine.add_request([3, 1, 2], 16)
   engine.step()
   assert engine.requests[probe].drafting and int(engine._s.proposer.num_pos.max()) > 0

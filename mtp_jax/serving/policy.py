@@ -47,10 +47,10 @@ class DraftPolicy:
   speculation off (and a probe brings it back for them when their drafts start to pass), while the
   others keep drafting; with one request running this is a per-request switch. A request admitted
   where drafts do not pay even alone (`admits_drafting`) runs no module for its whole life, bar one
-  probe request in PROBE_EVERY. Every 4th call at a bucket runs the runner-up instead when it is
-  within a tenth of the best (call times here move by that much, so such widths are ranked by noise
-  until timed again). A call during which JAX built a program (traced, then compiled or read it from
-  a cache) is not a sample. So a step drafts like k = K where drafts pay (few requests, high
+  probe request in PROBE_REQUEST_EVERY. Every 4th call at a bucket runs the runner-up instead when
+  it is within a tenth of the best (call times here move by that much, so such widths are ranked by
+  noise until timed again). A call during which JAX built a program (traced, then compiled or read
+  it from a cache) is not a sample. So a step drafts like k = K where drafts pay (few requests, high
   acceptance) and less, down to 0, where the wider target forward costs more than the tokens it wins
   (many requests, low acceptance). Both measurements belong to the models, batch size and machine,
   not to one engine: an engine built again can start from them (`Engine(draft_policy=)`).
@@ -58,6 +58,9 @@ class DraftPolicy:
 
   PRIOR_WEIGHT: typing.ClassVar[int] = 4  # verifications the prior of `rates` weighs
   PROBE_EVERY: typing.ClassVar[int] = 16  # calls at a bucket between probes while k = 0 wins
+  # A probe request runs the modules over its whole admission group's prompts and its rows' catch-ups:
+  # at 1 in 16 that cost a tenth of the tokens/s of 8 slots whose drafts all fail.
+  PROBE_REQUEST_EVERY: typing.ClassVar[int] = 64  # admissions declined between probe requests
 
   max_drafts: int
   seconds: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> recent calls' (seconds, steps)
@@ -108,13 +111,13 @@ class DraftPolicy:
   def admits_drafting(self) -> bool:
     """Whether a request admitted now drafts for its whole life: where drafts do not pay even for
     a request alone (`drafts_pay`: its acceptance has collapsed, not merely the batch grown),
-    one runs no module at all (no prefill, no catch-up), except every PROBE_EVERY-th, admitted
+    one runs no module at all (no prefill, no catch-up), except every PROBE_REQUEST_EVERY-th, admitted
     drafting as a probe (and the next call where k = 0 wins runs k = 1 instead), so acceptance
     is still measured and speculation comes back for later requests once drafts pay again."""
     if self.drafts_pay():
       return True
     self.declined += 1
-    self.probe_due = self.declined % self.PROBE_EVERY == 0
+    self.probe_due = self.declined % self.PROBE_REQUEST_EVERY == 0
     return self.probe_due
 
   def _untried(self, bucket: int) -> int | None:

@@ -397,9 +397,7 @@ def _draft_deferring(draft, k: int, full: int, pstate, deferred: Deferred, hid, 
   def wait():
     kept = deferred.began(pstate).kept(hid, tokens, num_new_B, k)
     if k == 0:
-      drafts, probs, _ = jax.eval_shape(draft, pstate, hid, tokens, num_new_B)
-      return jnp.zeros(drafts.shape, drafts.dtype), None if probs is None else jnp.zeros(probs.shape, probs.dtype), \
-          pstate, kept
+      return *_no_drafts(draft, pstate, hid, tokens, num_new_B)[:2], pstate, kept
     return *draft(pstate, hid, tokens, num_new_B, lagging=True), kept
 
   return jax.lax.cond(deferred.lags(k, num_new_B), catch_up, wait)
@@ -409,7 +407,14 @@ def _draft_unless_idle(draft, pstate, hid, tokens, num_new_B):
   """draft(pstate, hid, tokens, num_new_B), or nothing when no slot has a new row (every running
   slot verifies no drafts): zero drafts and pstate as it was, at the cost of a predicate."""
   def idle():
-    drafts, probs, out = jax.eval_shape(draft, pstate, hid, tokens, num_new_B)
-    zeros = lambda x: None if x is None else jnp.zeros(x.shape, x.dtype)
-    return zeros(drafts), zeros(probs), pstate.set(num_live=out.num_live)  # the static num_live as drafting sets it
+    drafts, probs, out = _no_drafts(draft, pstate, hid, tokens, num_new_B)
+    return drafts, probs, pstate.set(num_live=out.num_live)  # the static num_live as drafting sets it
   return jax.lax.cond(jnp.any(num_new_B > 0), lambda: draft(pstate, hid, tokens, num_new_B), idle)
+
+
+def _no_drafts(draft, *args):
+  """(zero drafts, zero draft distributions or None, the abstract state) shaped as draft(*args)'s
+  answer, traced without running it."""
+  drafts, probs, out = jax.eval_shape(draft, *args)
+  zeros = lambda x: None if x is None else jnp.zeros(x.shape, x.dtype)
+  return zeros(drafts), zeros(probs), out
