@@ -114,9 +114,9 @@ def _side_by_side(fns, max_passes: int, repeats: int) -> list[dict]:
       if clean_pass(fn)[1]:
         break
   clean, last, spare = [[] for _ in fns], [None] * len(fns), [max_passes] * len(fns)
-  while any(len(c) < repeats and s >= 0 for c, s in zip(clean, spare)):
+  while any(len(c) < repeats and s > 0 for c, s in zip(clean, spare)):
     for i, fn in enumerate(fns):
-      if len(clean[i]) < repeats and spare[i] >= 0:
+      if len(clean[i]) < repeats and spare[i] > 0:
         last[i], ok = clean_pass(fn)
         if ok:
           clean[i].append(last[i])
