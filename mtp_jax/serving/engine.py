@@ -25,9 +25,10 @@ does not).
 
 Speculation adapts (`num_drafts="auto"`, `DraftPolicy`): before each call the engine picks how
 many drafts the target verifies from the running requests' count, the measured acceptance per
-draft position and the measured time of a step at each width; only that many modules run: the
-deeper ones' rows wait (`deferred_rows`) and they catch up on them in one call when a wider step
-needs them, so any width may follow any other (at width 0 no module runs).
+draft position and the measured time of a step at each width; at a narrow width (2k < K) only
+that many modules run: the deeper ones' rows wait (`deferred_rows`) and they catch up on them in
+one call when a wider step needs them, so any width may follow any other (at width 0 no module
+runs); at a wider one the deeper modules run over each step's rows.
 A request that verifies no drafts (num_drafts=0, or "auto" admitted where drafts do not pay even
 alone: `DraftPolicy.admits_drafting`) gets no module rows at all, from its prefill to its end.
 

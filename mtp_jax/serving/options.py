@@ -81,10 +81,11 @@ class StepSettings:
   draft_masks: "per_position", "first" or "none" (see `generate`). mesh: place the states on a
   ("data", "model") mesh. verify_drafts: drafts the target verifies per step, 0..num_drafts
   (default all); the proposer drafts that many and its deeper modules catch up, so the next
-  call may verify any number. deferred_rows: W > 0 (a chain): a step at width k < num_drafts
-  runs modules 0..k-1 only (none at 0) and keeps its verified rows (`LoopState.deferred`); the
-  deeper modules catch up on the kept rows in one call when a wider step needs them or the
-  next rows would not fit in W. 0: every step hands every module its rows.
+  call may verify any number. deferred_rows: W > 0 (a chain): a step at width k with
+  2k < num_drafts (`step.defers`) runs modules 0..k-1 only (none at 0) and keeps its verified
+  rows (`LoopState.deferred`); the deeper modules catch up on the kept rows in one call when a
+  wider step needs them or the next rows would not fit in W. 0: every step hands every module
+  its rows.
   """
 
   num_drafts: int
@@ -156,9 +157,10 @@ class EngineConfig:
   draft_policy: the `DraftPolicy` of num_drafts="auto" (None: a new one). Its step times belong
     to the models, batch size and machine, not to one engine: an engine built again on the same
     ones can take the first one's and skip measuring every width anew.
-  deferred_rows: under num_drafts="auto", a step at width k < K runs modules 0..k-1 only (none
-    at 0): the deeper ones catch up on up to this many verified rows per slot in one call, when
-    a wider step needs them or the rows fill (0: every module runs every step, over its rows).
+  deferred_rows: under num_drafts="auto", a step at width k with 2k < K runs modules 0..k-1
+    only (none at 0): the deeper ones catch up on up to this many verified rows per slot in one
+    call, when a wider step needs them or the rows fill (0: every module runs every step, over
+    its rows).
     Only "auto" engines defer.
   """
 

@@ -111,13 +111,14 @@ class StepCounts:
 class Deferred:
   """Verified positions some modules have not consumed yet (StepSettings.deferred_rows = W).
 
-  A step at width k < K runs modules 0..k-1 only (none at k = 0): it keeps its newly verified
-  rows here, and modules k..K-1 catch up on every kept row in one call, when a step needs them
-  (a wider one) or the rows would not fit. Module k's input at a kept row is module k-1's output
-  there, which its ring no longer holds, so that call puts the slot's proposer back as it was
-  when its rows began to wait (`began`) and runs the chain over them all. A run of W rows at
-  width 0 thus costs one K-module call instead of W, and a run at width k one call of the K - k
-  deeper modules instead of one per step.
+  A step at width k with 2k < K (`serving.step.defers`) runs modules 0..k-1 only (none at
+  k = 0): it keeps its newly verified rows here, and modules k..K-1 catch up on every kept row
+  in one call, when a step needs them (a wider one) or the rows would not fit. Module k's input
+  at a kept row is module k-1's output there, which its ring no longer holds, so that call puts
+  the slot's proposer back as it was when its rows began to wait (`began`) and runs the chain
+  over them all. A run of W rows at width 0 thus costs one K-module call instead of W, and a run
+  at width k one call of the K - k deeper modules instead of one per step, plus modules 0..k-1
+  run again over those rows (so a wider step does not defer).
 
   hid dtype[B, W, D]: the target hiddens of those positions, in order; tok int32[B, W]: the
   token after each; n int32[B]: rows kept per slot; width int32[B]: the narrowest width a step
