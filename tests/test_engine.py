@@ -299,6 +299,26 @@ def test_module_work_follows_the_width_and_drafts_stay_exact(deferred_rows, seed
   assert m["drafts_accepted_total"] > 0 and m["drafts_proposed_at"][0] < m["verify_steps_total"]
 
 
+def test_steps_where_no_request_drafts_run_no_module():
+  """While every running request verifies no drafts a step runs no module (`modules_idle`: the
+  proposer's state passes through); a drafting request admitted later drafts from its own
+  prefill on, and every request equals generate alone."""
+  engine = Engine(TARGET5, PROPOSER5, max_batch=2, max_len=64, page_size=2, num_pages=64, steps_per_call=1)
+  plain = engine.add_request([1, 2, 3], 16, num_drafts=0)
+  engine.step()
+  assert engine._step.settings.modules_idle and engine._step.settings.verify_width == 0
+  with pytest.raises(ValueError, match="modules_idle.*verify_drafts=0, got 1"):
+    engine._step.replace(verify_drafts=1)
+  drafting = engine.add_request([4, 0, 1], 16)
+  engine.step()
+  assert not engine._step.settings.modules_idle
+  engine.run()
+  for rid in (plain, drafting):
+    req = engine.requests[rid]
+    assert req.tokens == _alone(tuple(req.prompt))[:16], rid
+  assert engine.requests[drafting].drafts_verified > 0 and engine.requests[plain].drafts_verified == 0
+
+
 def test_calibrate_times_every_width_and_bucket_before_traffic():
   """calibrate() fills the cost model at every (width, bucket) with 2 timed calls and leaves the
   engine as it found it: no request, page or metric of its synthetic requests is left, the

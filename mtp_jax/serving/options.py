@@ -85,7 +85,9 @@ class StepSettings:
   2k < num_drafts (`step.defers`) runs modules 0..k-1 only (none at 0) and keeps its verified
   rows (`LoopState.deferred`); the deeper modules catch up on the kept rows in one call when a
   wider step needs them or the next rows would not fit in W. 0: every step hands every module
-  its rows.
+  its rows. modules_idle: no slot the step runs drafts (the Engine's calls where every running
+  request verifies no drafts): it verifies none and runs no module (the proposer's state and any
+  waiting rows pass through as they came); needs verify_drafts=0.
   """
 
   num_drafts: int
@@ -100,6 +102,7 @@ class StepSettings:
   paging: Paging | None = None
   verify_drafts: int | None = None
   deferred_rows: int = 0
+  modules_idle: bool = False
 
   def __post_init__(self):
     validate.one_of("acceptance", self.acceptance, ACCEPTANCES)
@@ -110,6 +113,9 @@ class StepSettings:
                                                    f"got {self.verify_drafts}")
     if self.verify_drafts is not None and self.tree is not None:
       raise validate.InvalidValue("verify_drafts", "a tree step verifies its whole tree")
+    if self.modules_idle and self.verify_drafts != 0:
+      raise validate.InvalidValue("modules_idle", f"modules_idle=True (no module runs) verifies no drafts: it "
+                                                  f"needs verify_drafts=0, got {self.verify_drafts}")
     validate.integer("deferred_rows", self.deferred_rows, 0)
     if self.deferred_rows and (self.tree is not None or self.relaxed is not None or not self.num_drafts):
       raise validate.InvalidValue("deferred_rows", "deferred_rows defers a chain's modules: it needs num_drafts > 0, "

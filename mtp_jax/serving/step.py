@@ -326,7 +326,8 @@ class DecodeStep:
       after_drafts_B = jnp.take_along_axis(gstates_BxR, a_B[:, None], axis=1)[:, 0]
       s2 = s2.set(grammar_state=jnp.where(active_B, grammar_lib.advance(grammar, after_drafts_B, next_B),
                                           s.grammar_state))
-    if proposer is None:
+    if proposer is None or st.modules_idle:
+      # Idle modules: no running slot drafts, so none has a proposer row to settle or to add.
       return self._stop_out_of_pages(s2)
     pstate = prop.after_verify(s.proposer, a_B)
     # A slot that verifies no drafts (num_drafts 0: a fixed 0, or "auto" admitted where drafts do
