@@ -331,7 +331,8 @@ def test_calibrate_times_every_width_and_bucket_before_traffic():
   assert (m["requests_recorded"], m["requests_cancelled_total"], m["steps_total"], m["drafts_proposed_total"]) == (
       0, 0, 0, 0)
   assert engine.free_pages() == 40
-  rid = engine.add_request([1, 2, 3], 20)
+  # num_drafts=K: whether an "auto" request drafts follows the measured times (`admits_drafting`).
+  rid = engine.add_request([1, 2, 3], 20, num_drafts=K)
   assert engine.run()[rid] == _alone((1, 2, 3))[:20]
   # The request's own drafts, and only them, reach both the metrics and the policy's acceptance.
   m = engine.metrics()
