@@ -5,7 +5,7 @@ drafts, with `--num-drafts auto` and without the MTP modules (`--num-drafts 0`),
 completions from `concurrency` client threads (1, 8, 32): a fixed number of requests per cell,
 no new one issued after the duration cap. Held-out prompts are sent as token ids. Each cell runs
 twice and the second pass is timed: the first compiles the page budgets (blocks/paged.py) that
-its load reaches. Local only: nothing leaves 127.0.0.1.
+its load reaches (a --quick smoke run runs each cell once). Local only: nothing leaves 127.0.0.1.
 
 TTFT: request sent -> first text event. ITL: a request's (last event - first event) / (its tokens
 - 1), the mean gap per token (a speculative step sends several tokens in one event).
@@ -41,9 +41,9 @@ from mtp_jax import data
 # untimed pass. With 16-row pages (512 of them) it takes many more values, and a timed pass still
 # met uncompiled ones (a TTFT p99 of 11 s at concurrency 32 with drafts, in one run here).
 FULL = dict(concurrency=(1, 8, 32), requests=64, max_tokens=64, prompt_len=48, max_batch=32, max_len=256,
-            page_size=128, num_pages=32, num_drafts=3, cap_s=60.0)
+            page_size=128, num_pages=32, num_drafts=3, cap_s=60.0, passes=2)
 QUICK = dict(concurrency=(1, 4), requests=4, max_tokens=8, prompt_len=16, max_batch=4, max_len=64,
-             page_size=16, num_pages=16, num_drafts=2, cap_s=20.0)
+             page_size=16, num_pages=16, num_drafts=2, cap_s=20.0, passes=1)
 
 
 def start_server(opts: dict, num_drafts: int) -> tuple[subprocess.Popen, str]:
@@ -140,7 +140,7 @@ def main(argv=None) -> None:
     proc, address = start_server(opts, k)
     try:
       for c in opts["concurrency"]:
-        for _ in range(2):  # the first pass compiles
+        for _ in range(opts["passes"]):  # the first of 2 compiles; a smoke run (--quick) times its one
           rows[k, c] = run_cell(address, prompts, c, opts["max_tokens"], opts["cap_s"])
       rows[k, "accepted"] = metric(address, "mean_accepted_length")
       rows[k, "pages"] = metric(address, "pages_in_use")
@@ -149,7 +149,7 @@ def main(argv=None) -> None:
       proc.wait(60)
   load_after = os.getloadavg()
   print(f"# mtp-jax serve over HTTP: small demo model, greedy, {opts['requests']} streaming requests per cell, "
-        f"timed on its second pass "
+        f"timed on pass {opts['passes']} "
         f"(prompts {opts['prompt_len']} tokens, max_tokens {opts['max_tokens']}), --max-batch {opts['max_batch']} "
         f"--max-len {opts['max_len']} --page-size {opts['page_size']} --num-pages {opts['num_pages']}; "
         f"{os.cpu_count()} CPUs, load average "

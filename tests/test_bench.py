@@ -205,7 +205,7 @@ def test_serve_http_quick(capsys):
 def test_device_cpu_quick(tmp_path, capsys):
   """The device script's --cpu run: every correctness check passed, and every row is in the JSON file."""
   path = tmp_path / "d.json"
-  assert device.main(["--cpu", "--json", str(path)]) == 0
+  assert device.main(["--cpu", "--deadline-s", "30", "--json", str(path)]) == 0
   rows = [json.loads(line) for line in path.read_text().splitlines()]
   assert all({"section", "what"} <= set(r) for r in rows)
   checks = [r for r in rows if r["section"] == "correctness"]

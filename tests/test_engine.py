@@ -9,7 +9,6 @@ import pytest
 
 import mtp_jax
 from mtp_jax import Engine, grammar
-from mtp_jax.serving.calibrate import measured_policy
 from mtp_jax.serving.policy import DraftPolicy
 
 from test_generate import K, PROPOSER5, TARGET5
@@ -234,7 +233,8 @@ def test_grammars_per_request_come_and_go():
 
 
 class _ScriptedWidths(DraftPolicy):
-  """A DraftPolicy that picks the widths of a script (long runs at 0 among them), whatever it measured."""
+  """A DraftPolicy that picks the widths of a script (long runs at 0 among them) and keeps every
+  request drafting, whatever it measured."""
 
   def __init__(self, widths):
     super().__init__(K)
@@ -242,6 +242,9 @@ class _ScriptedWidths(DraftPolicy):
 
   def choose(self, num_running, scales=None):
     return next(self.widths, K)
+
+  def drafts_pay(self, scale=1.0):  # every request drafts, admitted or running
+    return True
 
 
 def _width_history(seed: int) -> list[int]:
@@ -319,30 +322,6 @@ def test_steps_where_no_request_drafts_run_no_module():
   assert engine.requests[drafting].drafts_verified > 0 and engine.requests[plain].drafts_verified == 0
 
 
-def test_calibrate_times_every_width_and_bucket_before_traffic():
-  """calibrate() fills the cost model at every (width, bucket) with 2 timed calls and leaves the
-  engine as it found it: no request, page or metric of its synthetic requests is left, the
-  acceptance counts are untouched, and a request then runs exactly."""
-  engine = Engine(TARGET5, PROPOSER5, max_batch=2, max_len=64, page_size=2, num_pages=40)
-  policy = engine.calibrate(calls=2)
-  assert all(len(policy.seconds[k, b]) >= 2 for k in range(K + 1) for b in (1, 2))
-  assert policy.proposed_at.sum() == 0
-  m = engine.metrics()
-  assert (m["requests_recorded"], m["requests_cancelled_total"], m["steps_total"], m["drafts_proposed_total"]) == (
-      0, 0, 0, 0)
-  assert engine.free_pages() == 40
-  # num_drafts=K: whether an "auto" request drafts follows the measured times (`admits_drafting`).
-  rid = engine.add_request([1, 2, 3], 20, num_drafts=K)
-  assert engine.run()[rid] == _alone((1, 2, 3))[:20]
-  # The request's own drafts, and only them, reach both the metrics and the policy's acceptance.
-  m = engine.metrics()
-  assert m["drafts_proposed_total"] == policy.proposed_at.sum() > 0
-  assert m["drafts_accepted_total"] == policy.accepted_at.sum()
-  with pytest.raises(ValueError, match="calibrate measures num_drafts=\"auto\"") as e:
-    Engine(TARGET5, PROPOSER5, **SETTINGS).calibrate()
-  assert e.value.argument == "num_drafts"
-
-
 def test_engine_config_is_typed_and_fields_override_it():
   """Engine(t, p, EngineConfig(...), **fields): the fields override the config's; an unknown field
   or a config of another type is refused by name."""
@@ -390,61 +369,6 @@ def test_auto_width_changes_and_greedy_output_stays_exact():
   again.step()
   assert again.metrics()["verify_width"] == max(range(K + 1), key=gain)
   assert again.run()[rid] == _alone((1, 2, 3))[:20]
-
-
-def test_draft_policy_tries_each_width_then_picks_the_most_tokens_per_second():
-  policy = DraftPolicy(3)
-  picks = []
-  for _ in range(4):
-    picks.append(policy.choose(1))
-    policy.record(picks[-1], 1, 0.01)
-  assert picks == [3, 2, 1, 0]  # untried widths first, widest first
-  assert policy.choose(1) == 3  # equal step times: drafts are free (prior acceptance)
-  policy.observe([0, 0, 0], [100] * 3)
-  assert policy.rates()[0] < 0.02  # measured: drafts are all but never accepted (the prior weighs 4 verifications)
-  assert policy.choose(1) == 3  # yet at equal step times even those few pay
-  policy.record(3, 1, 0.04, steps=4)  # a call of 4 steps and one cut short after 1: 0.05 s / 5 steps
-  policy.record(3, 1, 0.01)
-  assert policy.step_seconds(3, 1) == pytest.approx((0.01 + 0.04 + 0.01) / 6)
-  for k, seconds in enumerate([0.010, 0.016, 0.024, 0.032]):
-    policy.record(k, 8, seconds)
-  policy.observe([80, 60, 40], [0] * 3)  # counts add up: 0.8, 0.6, 0.4 accepted
-  assert policy.choose(7) == 1  # 1.8 / 0.016 beats 1 / 0.010 and 2.4 / 0.024
-  policy.observe([0, 0, 0], [300] * 3)  # 80 / 400, 60 / 400, 40 / 400
-  assert policy.choose(8) == 0  # low acceptance at full batch: no drafts
-  # A new bucket: the widest width first, then the others estimated by their ratio at bucket 8;
-  # a chosen estimate is timed and replaced.
-  assert policy.choose(4) == 3
-  policy.record(3, 4, 0.02)
-  assert policy.choose(4) == 0  # est. 0.02 x 0.010 / 0.032: 1 / 0.00625 beats 1.45 / 0.02
-  policy.record(0, 4, 0.015)
-  assert policy.choose(3) == 1  # k=0 measured at 1 / 0.015; k=1 est. 0.02 x 0.016 / 0.032: 1.2 / 0.01
-  assert (2, 4) not in policy.seconds and (1, 4) not in policy.seconds
-  # Every 4th call at a bucket times again a runner-up within a tenth of the best.
-  one = DraftPolicy(1)
-  one.record(1, 1, 0.02)
-  one.record(0, 1, 0.0105)  # prior rate 0.5: k=1 1.5 / 0.02 = 75, k=0 1 / 0.0105 = 95: far
-  assert [one.choose(1) for _ in range(4)] == [0, 0, 0, 0]
-  one.record(1, 1, 0.014)  # k=1 1.5 / 0.017 = 88, within a tenth of 95
-  assert [one.choose(1) for _ in range(4)] == [0, 0, 0, 1]
-
-
-
-def test_deeper_drafts_never_verified_take_their_prior_from_the_measured_ones():
-  """A width that never ran never verified its deepest draft: its rate extends the measured ones
-  (r_2 ~ r_1^2 / r_0), so a model whose drafts pass is not held at the narrower width by a fixed
-  prior of 0.125 (the trained demo's calibrated engine stayed at k = 2 at one request for that)."""
-  policy = DraftPolicy(3)
-  assert policy.rates() == pytest.approx([0.5, 0.25, 0.125])  # nothing measured: halving
-  for k, seconds in enumerate([0.010, 0.012, 0.014, 0.0165]):
-    policy.record(k, 1, seconds)
-  policy.observe([80, 64, 0], [100, 100, 0])  # k = 3 never ran: draft 2 never verified
-  r = policy.rates()
-  assert r[0] == pytest.approx(82 / 104) and r[1] == pytest.approx((64 + 4 * r[0] ** 2) / 104)
-  assert r[2] == pytest.approx(r[1] ** 2 / r[0])
-  assert policy.choose(1) == 3  # 2.94 / 0.0165 beats 2.43 / 0.014 (with 0.125 it would not: 2.55 / 0.0165)
-  policy.observe([0, 0, 0], [0, 0, 400])  # once verified, the counts rule: all rejected
-  assert policy.rates()[2] < 0.01 and policy.choose(1) == 2
 
 
 class TestErrors:
@@ -521,38 +445,6 @@ class TestErrors:
       Engine(TARGET5, PROPOSER5, max_len=64, page_size=8, num_pages=7)
 
 
-def test_policy_turns_speculation_off_when_drafts_are_rejected_and_probes_back():
-  """With measured step times where drafting costs 30% a width, a few all-rejected verifications
-  pull the acceptance prior down and k = 0 wins; while it does, every PROBE_EVERY-th call runs
-  k = 1, and acceptance that comes back turns speculation on again."""
-  policy = DraftPolicy(K)
-  for k in range(K + 1):
-    policy.record(k, 4, 1.0 + 0.3 * k)
-  policy.choices[4] = 1  # so neither probes nor runner-up reruns fall in the first calls below
-  assert policy.choose(4) == 1  # the prior, 0.5, 0.25, 0.125 accepted: 1.5 / 1.3 beats 1 / 1.0 and 1.75 / 1.6
-  policy.observe([0] * K, [8] * K)  # eight verifications, none accepted
-  picks = [policy.choose(4) for _ in range(2 * DraftPolicy.PROBE_EVERY)]
-  assert picks.count(1) == 2 and set(picks) == {0, 1}
-  policy.observe([200, 0, 0], [200, 0, 0])  # the probes find position 0 always accepted
-  assert policy.choose(4) > 0
-
-
-def test_requests_weigh_by_their_own_acceptance():
-  """The pooled counts say drafts pay; requests whose own drafts were all rejected count one token
-  a step each, so a batch of them turns speculation off while a batch like the pool keeps it."""
-  policy = DraftPolicy(K)
-  for k in range(K + 1):
-    policy.record(k, 4, 1.0 + 0.3 * k)
-  policy.choices[4] = 1  # no probe or runner-up rerun in the calls below
-  policy.observe([60, 40, 20], [100] * K)
-  assert policy.request_scale(0, 0) == pytest.approx(1.0)  # no drafts of its own yet: like the pool
-  rejected = policy.request_scale(0, 40)
-  assert rejected < 0.1 and policy.request_scale(40, 40) > 1.5
-  assert policy.choose(4, [1.0] * 4) == policy.choose(4) > 0
-  assert policy.choose(4, [rejected] * 4) == 0
-  assert policy.choose(4, [rejected] * 3 + [1.0]) < policy.choose(4)
-
-
 def test_each_request_reports_its_acceptance():
   engine = Engine(TARGET5, PROPOSER5, **SETTINGS)  # SETTINGS: num_drafts=K
   ids = [engine.add_request(p, 12) for p in ([1, 2, 3], [4, 0])]
@@ -565,57 +457,3 @@ def test_each_request_reports_its_acceptance():
   want = np.quantile([engine.requests[rid].stats["acceptance"] for rid in ids], 0.5)
   assert m["request_acceptance_p50"] == pytest.approx(want)
   assert 'mtp_jax_request_acceptance{quantile="0.5"}' in mtp_jax.serving.prometheus_text(m)
-
-
-def test_a_measured_policy_round_trips_through_json_and_starts_a_served_engine(tmp_path):
-  policy = DraftPolicy(K)
-  policy.record(2, 3, 0.02, steps=4)
-  policy.record(0, 1, 0.01)
-  policy.observe([5, 3, 1], [9, 9, 9])
-  again = DraftPolicy.from_json(policy.to_json())
-  assert again.seconds == policy.seconds and again.rates() == policy.rates()
-  assert again.choose(3) == policy.choose(3)
-  with pytest.raises(ValueError, match="not a DraftPolicy's JSON"):
-    DraftPolicy.from_json('{"max_drafts": 3}')
-  path = tmp_path / "policy.json"
-  path.write_text(policy.to_json())
-  engine = Engine(TARGET5, PROPOSER5, **dict(SETTINGS, num_drafts="auto"))
-  measured_policy(engine, str(path))  # `mtp-jax serve --draft-policy FILE`: read when FILE exists
-  assert engine.policy.seconds == policy.seconds
-  path.write_text(DraftPolicy(K + 1).to_json())
-  with pytest.raises(ValueError, match="measured for K=4 drafts, the proposer has K=3"):
-    measured_policy(engine, str(path))
-
-
-def test_requests_admitted_where_drafts_do_not_pay_run_no_module():
-  """Once drafts do not pay even for a request alone (all rejected), an "auto" request is admitted
-  without drafting: its modules get no rows (no prefill, no catch-up) and its output is exact,
-  greedy or seeded; every PROBE_REQUEST_EVERY-th such admission drafts, so acceptance is still measured."""
-  policy = DraftPolicy(K)
-  assert policy.drafts_pay()  # nothing timed yet
-  for b in (1, 2):
-    for k in range(K + 1):
-      policy.record(k, b, 1.0 + 0.3 * k)
-  assert policy.drafts_pay()  # the prior: 0.5 of first drafts accepted
-  policy.observe([0] * K, [40] * K)
-  assert not policy.drafts_pay()
-  engine = Engine(TARGET5, PROPOSER5, max_batch=2, max_len=64, page_size=2, num_pages=40, num_drafts="auto",
-                  draft_policy=policy, steps_per_call=1)
-  greedy = [engine.add_request(p, 16) for p in ([1, 2, 3], [4, 0, 1, 1])]
-  sampled = engine.add_request([2, 2, 4, 1], 16, temperature=1.0, seed=5)
-  rows = []
-  while engine.num_running or engine.num_waiting:
-    engine.step()
-    rows.append(int(engine._s.proposer.num_pos.max()))
-  assert rows == [0] * len(rows) and policy.declined == 3
-  assert not any(engine.requests[rid].stats["drafting"] for rid in [*greedy, sampled])
-  for rid in greedy:
-    assert engine.requests[rid].tokens == _alone(tuple(engine.requests[rid].prompt))[:16]
-  assert engine.requests[sampled].tokens == mtp_jax.generate(TARGET5, None, [[2, 2, 4, 1]], 16, temperature=1.0,
-                                                             seed=5).tokens[0]
-  policy.declined = DraftPolicy.PROBE_REQUEST_EVERY - 1
-  probe = engine.add_request([3, 1, 2], 16)
-  engine.step()
-  assert engine.requests[probe].drafting and int(engine._s.proposer.num_pos.max()) > 0
-  assert engine.run()[probe] == _alone((3, 1, 2))[:16]
-  assert engine.requests[probe].drafts_verified > 0

@@ -30,7 +30,8 @@ that many modules run: the deeper ones' rows wait (`deferred_rows`) and they cat
 one call when a wider step needs them, so any width may follow any other (at width 0 no module
 runs); at a wider one the deeper modules run over each step's rows.
 A request that verifies no drafts (num_drafts=0, or "auto" admitted where drafts do not pay even
-alone: `DraftPolicy.admits_drafting`) gets no module rows at all, from its prefill to its end.
+alone: `DraftPolicy.admits_drafting`) gets no module rows at all, from its prefill to its end;
+an "auto" one whose own drafts stop paying (`DraftPolicy.keeps_drafting`) none from then on.
 
 Its parts: admission.py (the queue, page reservations, chunked prefill), policy.py (the width),
 grammars.py (the grammar union), metrics.py (`Tally`, the counters), calibrate.py.
@@ -60,7 +61,8 @@ from mtp_jax.serving.requests import Request, check_eos, check_grammar, slot_set
 from mtp_jax.serving.generate import MIN_CAPACITY, padded_prompts
 from mtp_jax.serving.options import EngineConfig, Paging, StepSettings
 from mtp_jax.serving.step import DecodeStep
-from mtp_jax.serving.jit import jit_free, jit_prefill, jit_prefill_part, jit_run_for, jit_span_needed
+from mtp_jax.serving.jit import (jit_free, jit_prefill, jit_prefill_part, jit_run_for, jit_span_needed,
+                                 jit_stop_drafting)
 from mtp_jax.target import TargetModel
 
 
@@ -266,19 +268,24 @@ class Engine:
     return gained
 
   def calibrate(self, *, calls: int = 3, prompt_len: int = 16) -> DraftPolicy:
-    """Measures the step-time cost model of num_drafts="auto" before traffic (serving.calibrate):
-    at every batch bucket and width k = 0..K, synthetic requests until `calls` decode calls that
-    built no program were timed; metrics and acceptance are left as they were. Needs an idle
-    "auto" engine; returns its `DraftPolicy` (pass it to another engine on the same models and
-    machine with `draft_policy=`)."""
+    """Measures num_drafts="auto"'s step-time cost model before traffic (`serving.calibrate.calibrate`
+    says how) on this idle "auto" engine; returns its `DraftPolicy` (pass it to another engine on
+    the same models and machine with `draft_policy=`)."""
     return calibrate(self, calls=calls, prompt_len=prompt_len)
 
   def _set_width(self) -> None:
     """Sets the drafts the next call verifies: the most any running request asks for, "auto" ones
-    as the `DraftPolicy` says (a tree engine verifies its whole tree, capped per request)."""
+    as the `DraftPolicy` says (a tree engine verifies its whole tree, capped per request); first,
+    "auto" requests whose drafts stop paying stop drafting (`DraftPolicy.keeps_drafting`)."""
     if self.defaults.tree is not None:
       return
     running = [self.requests[rid] for rid in self._slots if rid is not None]
+    stop = [r.slot for r in running if r.num_drafts == "auto" and r.drafting and
+            not self.policy.keeps_drafting(r.drafts_accepted, r.drafts_verified)]
+    if stop:
+      self._s = jit_stop_drafting(self._base, self._s, np.isin(np.arange(self.max_batch), stop))
+      for slot in stop:
+        self.requests[self._slots[slot]].drafting = False
     k = max((r.num_drafts for r in running if r.num_drafts != "auto"), default=0)
     if any(r.num_drafts == "auto" and r.drafting for r in running):
       # A request that does not draft adds its one token a step whatever the width.
@@ -303,9 +310,7 @@ class Engine:
   def stream(self) -> Iterator[tuple[int, list[int]]]:
     """Steps until every request is done, yielding (request id, new tokens) as they come."""
     while self.num_running or self.num_waiting:
-      for rid, new in self.step().items():
-        if new:
-          yield rid, new
+      yield from ((rid, new) for rid, new in self.step().items() if new)
 
   def run(self) -> dict[int, list[int]]:
     """Steps until every request is done; returns each request's tokens."""

@@ -56,6 +56,11 @@ def jit_free(step: DecodeStep, s: LoopState, mask_B) -> LoopState:
   return step.free(s, mask_B)
 
 
+@functools.partial(jax.jit, static_argnames=("step",), donate_argnames=("s",))
+def jit_stop_drafting(step: DecodeStep, s: LoopState, mask_B) -> LoopState:
+  return step.stop_drafting(s, mask_B)
+
+
 @functools.partial(jax.jit, static_argnames=STATIC)
 def jit_fits(step: DecodeStep, s: LoopState, read: PageRead = WHOLE_POOL) -> jax.Array:
   return step.fits(s, read)

@@ -99,14 +99,25 @@ class DraftPolicy:
         return max(close, key=gain.get)
     return best
 
-  def drafts_pay(self) -> bool:
-    """Whether drafts at the pooled acceptance pay for a request running alone: some k > 0 beats
-    k = 0 at the smallest bucket whose widths are all timed (or estimated); True before any is."""
+  def drafts_pay(self, scale: float = 1.0) -> bool:
+    """Whether drafts pay for a request running alone at `scale` times the pooled acceptance
+    (`request_scale`): some k > 0 beats k = 0 at the smallest bucket whose widths are all timed
+    (or estimated); True before any is."""
     for b in sorted({b for _, b in self.seconds}):
       if self._untried(b) is None:
-        gain = self._gains(b, [1.0])
+        gain = self._gains(b, [scale])
         return max(gain, key=gain.get) > 0
     return True
+
+  def keeps_drafting(self, drafts_accepted: int, drafts_verified: int) -> bool:
+    """Whether a drafting request goes on drafting: until it has verified PRIOR_WEIGHT drafts per
+    position (K x PRIOR_WEIGHT), and then while drafts at its own acceptance (`request_scale`) pay
+    for it running alone (`drafts_pay`). One that stops runs no module for the rest of its life
+    (its modules cannot catch up without the target hiddens they missed); so does a probe request
+    (`admits_drafting`) once its first drafts say they still do not pay."""
+    if drafts_verified < self.PRIOR_WEIGHT * self.max_drafts:
+      return True
+    return self.drafts_pay(self.request_scale(drafts_accepted, drafts_verified))
 
   def admits_drafting(self) -> bool:
     """Whether a request admitted now drafts for its whole life: where drafts do not pay even for

@@ -44,7 +44,9 @@ class Request:
   slot: int | None = None
   pages: int = 0  # pages reserved in each pool while running
   prefilled: int = 0  # prompt tokens written by earlier parts (Engine(prefill_chunk=))
-  drafting: bool = True  # False: an "auto" request admitted where drafts do not pay (DraftPolicy.admits_drafting)
+  # False: an "auto" request admitted where drafts do not pay (DraftPolicy.admits_drafting), or
+  # stopped since, its own drafts not paying (DraftPolicy.keeps_drafting).
+  drafting: bool = True
   verify_calls: int = 0
   drafts_verified: int = 0
   drafts_accepted: int = 0
@@ -59,7 +61,8 @@ class Request:
     """accepted_length: tokens per verify step (after the first token); acceptance: drafts
     accepted over drafts verified (NaN before any was verified); ttft_s: time to first token from
     add_request; tokens_per_s: generated tokens over the request's whole time; drafting: False for
-    an "auto" request admitted where drafts did not pay (it ran no module)."""
+    an "auto" request admitted where drafts did not pay (it ran no module) or whose own drafts
+    stopped paying (it ran none since)."""
     n = len(self.tokens)
     end = self.finished_at or time.perf_counter()
     return dict(prompt_tokens=len(self.prompt), generated_tokens=n, verify_calls=self.verify_calls,

@@ -378,6 +378,12 @@ class DecodeStep:
               deferred=None if s.deferred is None else s.deferred.emptied(mask_B))
     return s if s.proposer is None else s.set(proposer=prop.reset_slots(s.proposer, mask_B))
 
+  def stop_drafting(self, s: LoopState, mask_B) -> LoopState:
+    """The slots where mask_B (bool[B]) verify no drafts from now on (num_drafts 0): their modules
+    get no rows again, and the rows they kept waiting are dropped (none will read them)."""
+    s = s.set(slots=s.slots.set(num_drafts=jnp.where(mask_B, 0, s.slots.num_drafts)))
+    return s if s.deferred is None else s.set(deferred=s.deferred.emptied(mask_B))
+
 
 def defers(k: int, full: int) -> bool:
   """Whether a step at width k of at most `full` drafts leaves the deeper modules' rows waiting
