@@ -1,6 +1,7 @@
 """DraftPolicy and calibrate: the width num_drafts="auto" picks from measured step times and
 acceptance, and the requests whose drafts do not pay."""
 
+import collections
 import pytest
 
 import mtp_jax
@@ -47,9 +48,13 @@ def test_draft_policy_tries_each_width_then_picks_the_most_tokens_per_second():
   policy.observe([0, 0, 0], [100] * 3)
   assert policy.rates()[0] < 0.02  # measured: drafts are all but never accepted (the prior weighs 4 verifications)
   assert policy.choose(1) == 3  # yet at equal step times even those few pay
-  policy.record(3, 1, 0.04, steps=4)  # a call of 4 steps and one cut short after 1: 0.05 s / 5 steps
-  policy.record(3, 1, 0.01)
-  assert policy.step_seconds(3, 1) == pytest.approx((0.01 + 0.04 + 0.01) / 6)
+  # The median per step, each call weighing its steps: a slow call (0.1 s) does not move it.
+  policy.record(3, 1, 0.02, steps=4)
+  policy.record(3, 1, 0.1)
+  assert policy.step_seconds(3, 1) == pytest.approx(0.005)  # 0.005 for 4 steps, 0.01 and 0.1 for one each
+  policy.record(3, 1, 0.024, steps=3)
+  assert policy.step_seconds(3, 1) == pytest.approx(0.008)  # 0.005 x 4, then 0.008 x 3 reaches half of 9 steps
+  policy.seconds[3, 1] = collections.deque([(0.01, 1)])
   for k, seconds in enumerate([0.010, 0.016, 0.024, 0.032]):
     policy.record(k, 8, seconds)
   policy.observe([80, 60, 40], [0] * 3)  # counts add up: 0.8, 0.6, 0.4 accepted
@@ -69,8 +74,16 @@ def test_draft_policy_tries_each_width_then_picks_the_most_tokens_per_second():
   one.record(1, 1, 0.02)
   one.record(0, 1, 0.0105)  # prior rate 0.5: k=1 1.5 / 0.02 = 75, k=0 1 / 0.0105 = 95: far
   assert [one.choose(1) for _ in range(4)] == [0, 0, 0, 0]
-  one.record(1, 1, 0.014)  # k=1 1.5 / 0.017 = 88, within a tenth of 95
-  assert [one.choose(1) for _ in range(4)] == [0, 0, 0, 1]
+  one.record(1, 1, 0.014)  # k=1 1.5 / 0.014 = 107 now beats k=0: 95
+  assert [one.choose(1) for _ in range(4)] == [1, 1, 1, 0]  # the 8th call times the runner-up, k=0, again
+  # Every RETIME_EVERY-th call at a bucket (offset by half) times again the width timed longest
+  # ago among those within RETIME_WITHIN of the best: k = 2 here, timed once on a slow call.
+  policy = DraftPolicy(2)
+  for k, seconds in ((2, 0.02), (0, 0.010), (1, 0.012)):
+    policy.record(k, 1, seconds)
+  policy.choices[1] = 2
+  picks = [policy.choose(1) for _ in range(DraftPolicy.RETIME_EVERY)]  # calls 3..18
+  assert picks[:5] == [1] * 5 and picks[5] == 2 and picks.count(2) == 1
 
 
 def test_deeper_drafts_never_verified_take_their_prior_from_the_measured_ones():

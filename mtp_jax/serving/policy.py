@@ -47,13 +47,17 @@ class DraftPolicy:
   speculation off (and a probe brings it back for them when their drafts start to pass), while the
   others keep drafting; with one request running this is a per-request switch. A request admitted
   where drafts do not pay even alone (`admits_drafting`) runs no module for its whole life, bar one
-  probe request in PROBE_REQUEST_EVERY. Every 4th call at a bucket runs the runner-up instead when
-  it is within a tenth of the best (call times here move by that much, so such widths are ranked by
-  noise until timed again). A call during which JAX built a program (traced, then compiled or read
-  it from a cache) is not a sample. So a step drafts like k = K where drafts pay (few requests, high
-  acceptance) and less, down to 0, where the wider target forward costs more than the tokens it wins
-  (many requests, low acceptance). Both measurements belong to the models, batch size and machine,
-  not to one engine: an engine built again can start from them (`Engine(draft_policy=)`).
+  probe request in PROBE_REQUEST_EVERY; one whose own drafts stop paying alone stops drafting
+  (`keeps_drafting`). Every 4th call at a bucket runs the runner-up instead when it is within a
+  tenth of the best (call times here move by that much, so such widths are ranked by noise until
+  timed again), and every RETIME_EVERY-th the width timed longest ago among those within
+  RETIME_WITHIN of the best, so one slow sample cannot bar a width for good; a width's time is the
+  median of its recent calls (`step_seconds`). A call during which JAX built a program (traced,
+  then compiled or read it from a cache) is not a sample. So a step drafts like k = K where drafts
+  pay (few requests, high acceptance) and less, down to 0, where the wider target forward costs
+  more than the tokens it wins (many requests, low acceptance). Both measurements belong to the
+  models, batch size and machine, not to one engine: an engine built again can start from them
+  (`Engine(draft_policy=)`).
   """
 
   PRIOR_WEIGHT: typing.ClassVar[int] = 4  # verifications the prior of `rates` weighs
@@ -61,6 +65,8 @@ class DraftPolicy:
   # A probe request runs the modules over its whole admission group's prompts and its rows' catch-ups:
   # at 1 in 16 that cost a tenth of the tokens/s of 8 slots whose drafts all fail.
   PROBE_REQUEST_EVERY: typing.ClassVar[int] = 64  # admissions declined between probe requests
+  RETIME_EVERY: typing.ClassVar[int] = 16  # calls at a bucket between runs of its stalest width
+  RETIME_WITHIN: typing.ClassVar[float] = 0.6  # of the best width's gain: widths worth timing again
 
   max_drafts: int
   seconds: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> recent calls' (seconds, steps)
@@ -69,6 +75,8 @@ class DraftPolicy:
   choices: dict = dataclasses.field(default_factory=dict)  # bucket -> calls chosen by their measured gain
   declined: int = 0  # admissions `admits_drafting` declined
   probe_due: bool = False  # a probe request was admitted: the next call at k = 0 runs k = 1
+  recorded: int = 0  # samples recorded so far (the clock of timed_at)
+  timed_at: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> `recorded` at its latest sample
 
   def __post_init__(self):
     self.accepted_at = np.zeros((self.max_drafts,), np.int64) if self.accepted_at is None else self.accepted_at
@@ -97,6 +105,13 @@ class DraftPolicy:
       close = [k for k in gain if k != best and gain[k] >= 0.9 * gain[best]]
       if close:
         return max(close, key=gain.get)
+    if best > 0 and self.choices[b] % self.RETIME_EVERY == self.RETIME_EVERY // 2:
+      # A width timed once on a slow call (a catch-up, a cold cache) would never run again, so
+      # every RETIME_EVERY-th call runs the one whose latest sample here is oldest, within
+      # RETIME_WITHIN (while k = 0 wins, the probes above time k = 1 instead).
+      stale = [k for k in gain if k != best and gain[k] >= self.RETIME_WITHIN * gain[best]]
+      if stale:
+        return min(stale, key=lambda k: self.timed_at.get((k, b), -1))
     return best
 
   def drafts_pay(self, scale: float = 1.0) -> bool:
@@ -186,10 +201,12 @@ class DraftPolicy:
     return self.step_seconds(widest, bucket) * self.step_seconds(k, c) / self.step_seconds(widest, c)
 
   def step_seconds(self, k: int, bucket: int) -> float:
-    """Seconds per decode step at width k and batch bucket: the recent calls' time over their steps
-    (a ratio of sums, so a call cut short after one step weighs one step, not a whole call)."""
-    samples = self.seconds[(k, bucket)]
-    return sum(s for s, _ in samples) / sum(n for _, n in samples)
+    """Seconds per decode step at width k and batch bucket: the median of the recent calls' seconds
+    per step, each call weighing its steps (a call cut short after one step weighs one step, and
+    one slow call, such as a catch-up of rows a narrower width left, does not move it)."""
+    per_step = sorted((s / n, n) for s, n in self.seconds[(k, bucket)])
+    steps = np.cumsum([n for _, n in per_step])
+    return per_step[int(np.searchsorted(steps, steps[-1] / 2))][0]
 
   def to_json(self) -> str:
     """The measurements as JSON (`from_json` reads them back): a policy measured once on a machine
@@ -217,8 +234,10 @@ class DraftPolicy:
 
   def record(self, k: int, num_running: int, seconds: float, steps: int = 1) -> None:
     """One timing sample: a call of `steps` decode steps at width k with num_running requests took seconds."""
-    samples = self.seconds.setdefault((k, self.bucket(num_running)), collections.deque(maxlen=16))
-    samples.append((seconds, steps))
+    key = (k, self.bucket(num_running))
+    self.seconds.setdefault(key, collections.deque(maxlen=16)).append((seconds, steps))
+    self.recorded += 1
+    self.timed_at[key] = self.recorded
 
   def observe(self, accepted_at, proposed_at) -> None:
     """Counts more verifications: accepted_at, proposed_at (K ints each) steps whose draft i was
