@@ -189,12 +189,13 @@ def test_requests_admitted_where_drafts_do_not_pay_run_no_module():
   assert engine.requests[probe].drafts_verified > 0
 
 
-def test_a_request_whose_own_drafts_fail_stops_drafting_for_good():
-  """The pool says drafts pay (all accepted) and at 2 requests a step costs the same at every
-  width, so both draft; alone, a step costs 1.9x with drafts, so a request whose own acceptance
-  (blended with the pool over PRIOR_WEIGHT drafts) is below 0.9 does not pay even alone: once it
-  has verified K x PRIOR_WEIGHT drafts it stops drafting for good (no module row or verified
-  draft again), and its output stays exact."""
+def test_drafting_requests_stop_together_once_none_of_their_drafts_pays():
+  """The pool says drafts pay (all accepted) and with 2-3 requests a step costs the same at every
+  width, so all draft; alone, a step costs 1.9x with drafts, so a request whose own acceptance
+  (blended with the pool over PRIOR_WEIGHT drafts) is below 0.9 does not pay even alone. While a
+  request of a fixed num_drafts runs, the modules run anyway, so the "auto" ones keep drafting;
+  after it, once each has verified K x PRIOR_WEIGHT drafts and none pays, they all stop for good
+  (no module row or verified draft again, no module run), and every output stays exact."""
   policy = DraftPolicy(K)
   for k in range(K + 1):
     policy.record(k, 1, 1.0 + 0.9 * k)
@@ -203,22 +204,29 @@ def test_a_request_whose_own_drafts_fail_stops_drafting_for_good():
   enough = K * DraftPolicy.PRIOR_WEIGHT
   assert policy.keeps_drafting(0, enough - 1) and policy.keeps_drafting(enough, enough)
   assert not policy.keeps_drafting(0, enough)
-  engine = Engine(TARGET5, PROPOSER5, max_batch=2, max_len=64, page_size=2, num_pages=64, num_drafts="auto",
+  engine = Engine(TARGET5, PROPOSER5, max_batch=3, max_len=64, page_size=2, num_pages=64, num_drafts="auto",
                   draft_policy=policy, steps_per_call=1)
   ids = [engine.add_request(p, LONGEST) for p in ([1, 2, 3], [4, 0, 1, 1])]
+  fixed = engine.add_request([2, 2, 4, 1], 16, num_drafts=K)
   engine.step()
-  while engine.num_running == 2 and any(engine.requests[rid].drafting for rid in ids):
+  failed = False  # whether the "auto" ones' drafts stopped paying while the fixed one ran
+  while engine.requests[fixed].status == "running":
+    assert all(engine.requests[rid].drafting for rid in ids)
+    reqs = [engine.requests[rid] for rid in ids]
+    failed |= not any(policy.keeps_drafting(r.drafts_accepted, r.drafts_verified) for r in reqs)
     engine.step()
-  stopped = [rid for rid in ids if not engine.requests[rid].drafting]
-  assert stopped and all(enough <= engine.requests[rid].drafts_verified < enough + K for rid in stopped)
-  before = {rid: (engine.requests[rid].drafts_verified, int(engine._s.proposer.num_pos[engine.requests[rid].slot]))
-            for rid in stopped}
+  assert failed, "a request of acceptance 0.9 or more on a random 5-token model"
   engine.step()
-  assert len(stopped) < 2 or engine._step.settings.modules_idle  # no running request drafts: no module runs
-  for rid in stopped:
+  assert not any(engine.requests[rid].drafting for rid in ids)
+  before = {rid: (engine.requests[rid].drafts_verified, int(engine._s.proposer.num_pos[engine.requests[rid].slot]))
+            for rid in ids}
+  engine.step()
+  assert engine._step.settings.modules_idle  # no running request drafts: no module runs
+  for rid in ids:
     req = engine.requests[rid]
     if req.status == "running":
       assert (req.drafts_verified, int(engine._s.proposer.num_pos[req.slot])) == before[rid]
   engine.run()
-  for rid in ids:
-    assert engine.requests[rid].tokens == _alone(tuple(engine.requests[rid].prompt))
+  for rid in [*ids, fixed]:
+    req = engine.requests[rid]
+    assert req.tokens == _alone(tuple(req.prompt))[:req.max_new_tokens]

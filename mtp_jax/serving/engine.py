@@ -31,7 +31,7 @@ one call when a wider step needs them, so any width may follow any other (at wid
 runs); at a wider one the deeper modules run over each step's rows.
 A request that verifies no drafts (num_drafts=0, or "auto" admitted where drafts do not pay even
 alone: `DraftPolicy.admits_drafting`) gets no module rows at all, from its prefill to its end;
-an "auto" one whose own drafts stop paying (`DraftPolicy.keeps_drafting`) none from then on.
+nor do "auto" ones once no drafting one's drafts pay (`DraftPolicy.keeps_drafting`).
 
 Its parts: admission.py (the queue, page reservations, chunked prefill), policy.py (the width),
 grammars.py (the grammar union), metrics.py (`Tally`, the counters), calibrate.py.
@@ -129,8 +129,6 @@ class Engine:
   def page_span(self) -> int:
     """Pages per slot the last decode call read (the most a slot held: follows the rows in flight)."""
     return self._read.span
-
-  # -- requests --
 
   def add_request(self, prompt: Sequence[int], max_new_tokens: int, *, temperature: float | None = None,
                   top_k: int | None = None, top_p: float | None = None, seed: int | None = None,
@@ -231,8 +229,6 @@ class Engine:
     """Free pages in the target's pool, read from the device (the proposer's pool moves alike)."""
     return int(self._s.target.pages.num_free)
 
-  # -- the loop --
-
   def metrics(self) -> dict:
     """Counters, gauges and latency quantiles (names and meanings: serving.metrics.DESCRIPTIONS);
     `serving.prometheus_text` renders them. Reads the free page count from the device."""
@@ -276,13 +272,14 @@ class Engine:
   def _set_width(self) -> None:
     """Sets the drafts the next call verifies: the most any running request asks for, "auto" ones
     as the `DraftPolicy` says (a tree engine verifies its whole tree, capped per request); first,
-    "auto" requests whose drafts stop paying stop drafting (`DraftPolicy.keeps_drafting`)."""
+    when no drafting request's drafts pay any more (`DraftPolicy.keeps_drafting`), they stop."""
     if self.defaults.tree is not None:
       return
     running = [self.requests[rid] for rid in self._slots if rid is not None]
     stop = [r.slot for r in running if r.num_drafts == "auto" and r.drafting and
             not self.policy.keeps_drafting(r.drafts_accepted, r.drafts_verified)]
-    if stop:
+    # All or none: a step computes every slot's draft rows, so one stopping alone saves nothing.
+    if stop and len(stop) == sum(r.drafting and r.num_drafts != 0 for r in running):
       self._s = jit_stop_drafting(self._base, self._s, np.isin(np.arange(self.max_batch), stop))
       for slot in stop:
         self.requests[self._slots[slot]].drafting = False

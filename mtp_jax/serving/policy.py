@@ -47,8 +47,8 @@ class DraftPolicy:
   speculation off (and a probe brings it back for them when their drafts start to pass), while the
   others keep drafting; with one request running this is a per-request switch. A request admitted
   where drafts do not pay even alone (`admits_drafting`) runs no module for its whole life, bar one
-  probe request in PROBE_REQUEST_EVERY; one whose own drafts stop paying alone stops drafting
-  (`keeps_drafting`). Every 4th call at a bucket runs the runner-up instead when it is within a
+  probe request in PROBE_REQUEST_EVERY; drafting ones stop when none's own drafts pay alone any
+  more (`keeps_drafting`). Every 4th call at a bucket runs the runner-up instead when it is within a
   tenth of the best (call times here move by that much, so such widths are ranked by noise until
   timed again), and every RETIME_EVERY-th the width timed longest ago among those within
   RETIME_WITHIN of the best, so one slow sample cannot bar a width for good; a width's time is the
@@ -125,11 +125,12 @@ class DraftPolicy:
     return True
 
   def keeps_drafting(self, drafts_accepted: int, drafts_verified: int) -> bool:
-    """Whether a drafting request goes on drafting: until it has verified PRIOR_WEIGHT drafts per
+    """Whether a drafting request's drafts still pay: until it has verified PRIOR_WEIGHT drafts per
     position (K x PRIOR_WEIGHT), and then while drafts at its own acceptance (`request_scale`) pay
-    for it running alone (`drafts_pay`). One that stops runs no module for the rest of its life
-    (its modules cannot catch up without the target hiddens they missed); so does a probe request
-    (`admits_drafting`) once its first drafts say they still do not pay."""
+    for it running alone (`drafts_pay`). The Engine stops the drafting requests when none pays
+    (all or none: a batched step computes every slot's draft rows); one that stops runs no module
+    for the rest of its life (its modules cannot catch up without the target hiddens they missed),
+    and a probe request (`admits_drafting`) stops once its first drafts say they still do not pay."""
     if drafts_verified < self.PRIOR_WEIGHT * self.max_drafts:
       return True
     return self.drafts_pay(self.request_scale(drafts_accepted, drafts_verified))
