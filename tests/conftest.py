@@ -44,3 +44,10 @@ def _free_compiled_programs():
   yield
   jax.clear_caches()
   gc.collect()
+
+
+def pytest_collection_modifyitems(items):
+  """Slow-marked tests first (a stable sort): with -n 2 the workers take tests in collection order,
+  and a long test collected last ran alone while the other worker sat idle (a clean run here:
+  24.8 min of CPU in a 15.2 min wall)."""
+  items.sort(key=lambda item: item.get_closest_marker("slow") is None)

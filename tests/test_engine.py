@@ -259,6 +259,7 @@ def _width_history(seed: int) -> list[int]:
   return [1, 1, 1] + [0] * 6 + [w for run in runs for w in run]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("deferred_rows, seed", [(32, 0), (3, 1)])
 def test_module_work_follows_the_width_and_drafts_stay_exact(deferred_rows, seed):
   """Under "auto" a call at width k with 2k < K runs modules 0..k-1 only: the deeper modules'

@@ -13,6 +13,7 @@ from test_engine import LONGEST, SETTINGS, _alone
 from test_generate import K, PROPOSER5, TARGET5
 
 
+@pytest.mark.slow
 def test_calibrate_times_every_width_and_bucket_before_traffic():
   """calibrate() fills the cost model at every (width, bucket) with 2 timed calls and leaves the
   engine as it found it: no request, page or metric of its synthetic requests is left, the

@@ -14,6 +14,7 @@ from mtp_jax import data, grammar, validate  # noqa: E402
 from mtp_jax.serving.model import MAX_WIDE_REPEAT, SchemaGrammars, ServedModel, wide_repeats  # noqa: E402
 
 
+@pytest.mark.slow
 def test_a_short_soak_loses_nothing_and_leaks_nothing():
   r = soak.run(soak.QUICK, log=lambda _: None)
   # Each broken expectation is one line: a greedy / seeded answer unlike generate alone, a fault
