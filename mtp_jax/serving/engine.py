@@ -276,13 +276,14 @@ class Engine:
     if self.defaults.tree is not None:
       return
     running = [self.requests[rid] for rid in self._slots if rid is not None]
-    stop = [r.slot for r in running if r.num_drafts == "auto" and r.drafting and
-            not self.policy.keeps_drafting(r.drafts_accepted, r.drafts_verified)]
-    # All or none: a step computes every slot's draft rows, so one stopping alone saves nothing.
-    if stop and len(stop) == sum(r.drafting and r.num_drafts != 0 for r in running):
-      self._s = jit_stop_drafting(self._base, self._s, np.isin(np.arange(self.max_batch), stop))
-      for slot in stop:
-        self.requests[self._slots[slot]].drafting = False
+    # All or none: a step computes every slot's draft rows, so one stopping alone saves nothing
+    # (`all` stops at the first that still pays: one policy look per step, not one per request).
+    drafting = [r for r in running if r.drafting and r.num_drafts != 0]
+    if drafting and all(r.num_drafts == "auto" and not self.policy.keeps_drafting(r.drafts_accepted, r.drafts_verified)
+                        for r in drafting):
+      self._s = jit_stop_drafting(self._base, self._s, np.isin(np.arange(self.max_batch), [r.slot for r in drafting]))
+      for r in drafting:
+        r.drafting = False
     k = max((r.num_drafts for r in running if r.num_drafts != "auto"), default=0)
     if any(r.num_drafts == "auto" and r.drafting for r in running):
       # A request that does not draft adds its one token a step whatever the width.
