@@ -122,8 +122,8 @@ def memory_table(size, batches, k):
     stacked = scan.prepare(step)
     args = (step.hiddens, step.tokens, step.num_new)
     unrolled = V.donated_propose(k).lower(params, step.state, *args).compile()
-    scanned = V._scan_propose.lower(scan.graphdef, scan.layers, params.embed_tokens, params.lm_head, stacked, *args,
-                                    k=k).compile()
+    scanned = V.scan_propose.lower(scan.graphdef, scan.layers, params.embed_tokens, params.lm_head, stacked, *args,
+                                   k=k).compile()
     temp = [c.memory_analysis().temp_size_in_bytes / 1e6 for c in (unrolled, scanned)]
     accessed = [c.cost_analysis().get("bytes accessed", float("nan")) / 1e6 for c in (unrolled, scanned)]
     weights = sum(x.nbytes for x in jax.tree.leaves(scan.layers)) / 1e6
@@ -149,7 +149,7 @@ def bf16_agreement(size: str, batch_size: int, steps: int, k: int, seed: int = 0
   lens = rng.integers(V.PROMPT_T // 2, V.PROMPT_T + 1, size=b).astype(np.int32)
   hid = rng.normal(size=(b, V.PROMPT_T, d)).astype(np.float32)
   toks = rng.integers(0, v, size=(b, V.PROMPT_T)).astype(np.int32)
-  # K drafts after the prompt, as in variants.warm_step, so the two share compiles
+  # K drafts after the prompt, as in decode_setup.warm_step, so the two share compiles
   d32, s32 = mtp_jax.propose(p32, s32, hid, toks, lens, num_drafts=V.K)
   d16, s16 = mtp_jax.propose(p16, s16, hid, toks, lens, num_drafts=V.K)
   equal, total = np.zeros(k, np.int64), np.zeros(k, np.int64)
