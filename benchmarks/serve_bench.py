@@ -20,10 +20,12 @@ max_batch from it).
 
 All greedy. Each configuration runs until a pass compiles nothing (a long-running server compiles
 each program once); then the configurations of a table run in turns, 3 rounds of one pass each,
-and the median of each one's 3 passes is shown (a drift of the machine's speed falls on all of
-them alike). Before the
-"auto" rows, the stream also runs once at each fixed k = 0..K, which compiles most steps "auto"
-may pick. The counts of outputs equal to generate's are printed.
+and the median of each one's 3 passes is shown. The "paired" columns give a ratio as the median
+over rounds of the two configurations' ratio within a round (`paired`): a drift of the machine's
+speed between rounds falls on both alike, where two medians may come from different rounds. The
+best fixed width of a row is the one with the best median. Before the "auto" rows, the stream
+also runs once at each fixed k = 0..K, which compiles most steps "auto" may pick. The counts of
+outputs equal to generate's are printed.
 Run: python benchmarks/serve_bench.py [--quick] [--json PATH].
 """
 
@@ -127,8 +129,16 @@ def _side_by_side(fns, max_passes: int, repeats: int) -> list[dict]:
     if len(c) < repeats:
       print(f"note: only {len(c)} of {repeats} timed passes of a configuration compiled nothing")
     timed = sorted(c or [result], key=lambda r: r["wall"])
-    out.append(timed[len(timed) // 2])
+    out.append(dict(timed[len(timed) // 2], walls=[r["wall"] for r in c or [result]]))
   return out
+
+
+def paired(r, base) -> float:
+  """r's speed over base's: the median over rounds of base's wall time over r's in the same
+  round (their i-th timed passes). A round's drift (whole rounds here ran a tenth faster than
+  others) moves both alike, so this ratio moves less than one of medians taken from different
+  rounds."""
+  return float(np.median([b / a for a, b in zip(r["walls"], base["walls"])]))
 
 
 def _stream_table(name, target, proposer, opts, k):
@@ -148,15 +158,16 @@ def _stream_table(name, target, proposer, opts, k):
   base = runs[0][1]
   print(f"\n## {name}: {len(requests)} requests at once, {b} slots, K={k}; prompts {opts['prompt_lens'][0]}.."
         f"{opts['prompt_lens'][1]} bytes, outputs {opts['output_lens'][0]}..{opts['output_lens'][1]} tokens\n")
-  print("| loop | tokens/s | vs generate | TTFT p50 / p99 s | ITL p50 / p99 ms | latency p50 / p99 s | "
+  print("| loop | tokens/s | vs generate | paired | TTFT p50 / p99 s | ITL p50 / p99 ms | latency p50 / p99 s | "
         "accepted length | outputs equal to generate |")
-  print("|---|---|---|---|---|---|---|---|")
+  print("|---|---|---|---|---|---|---|---|---|")
   for label, r in runs:
     assert sum(len(o) for o in r["out"]) == tokens  # no eos: every request gets all its tokens
     itl = "all at once" if r["itl"] is None else f"{1e3 * r['itl'][0]:.1f} / {1e3 * r['itl'][1]:.1f}"
     acc = "" if r["accepted"] is None else f"{r['accepted']:.2f}"
     equal = sum(a == g for a, g in zip(r["out"], base["out"]))
-    print(f"| {label} | {tokens / r['wall']:.1f} | {base['wall'] / r['wall']:.2f}x | {_q(r['ttft'], .5):.2f} / "
+    print(f"| {label} | {tokens / r['wall']:.1f} | {base['wall'] / r['wall']:.2f}x | {paired(r, base):.2f}x | "
+          f"{_q(r['ttft'], .5):.2f} / "
           f"{_q(r['ttft'], .99):.2f} | {itl} | {_q(r['last'], .5):.2f} / {_q(r['last'], .99):.2f} | {acc} | "
           f"{equal}/{len(requests)} |")
 
@@ -169,8 +180,8 @@ def _batch_table(name, target, proposer, opts, k, cells):
   print(f"\n## {name}: Engine tokens/s against max_batch ({opts['table_requests']} x max_batch requests of "
         f"{opts['table_output']} tokens, prompts as above)\n")
   print("| max_batch | " + " | ".join(w if w.startswith("auto") else f"k={w}" for w, _, _ in widths) +
-        " | auto / calibrated vs best fixed k |")
-  print("|---" * (len(widths) + 2) + "|")
+        " | auto / calibrated vs best fixed k | paired | calibrated vs k=0, paired |")
+  print("|---" * (len(widths) + 4) + "|")
   lat = []
   for b in opts["batches"]:
     # Each row compiles its own programs (another batch size); XLA:CPU maps each one's code, and
@@ -183,16 +194,18 @@ def _batch_table(name, target, proposer, opts, k, cells):
     run = lambda prop, nd: lambda: _engine_pass(target, prop, requests, opts, "auto" if nd == "calibrated" else nd,
                                                 b, calibrated if nd == "calibrated" else None)
     rates, row = [], []
-    for (label, _, _), r in zip(widths, _side_by_side([run(prop, nd) for _, prop, nd in widths], opts["passes"],
-                                                      opts["repeats"])):
+    results = _side_by_side([run(prop, nd) for _, prop, nd in widths], opts["passes"], opts["repeats"])
+    for (label, _, _), r in zip(widths, results):
       rates.append(tokens / r["wall"])
       cell = dict(model=name, max_batch=b, width=label, tokens_per_s=rates[-1], decode_calls=r["calls"],
-                  ttft_p50=_q(r["ttft"], .5), ttft_p99=_q(r["ttft"], .99), itl_p50=r["itl"][0], itl_p99=r["itl"][1])
+                  ttft_p50=_q(r["ttft"], .5), ttft_p99=_q(r["ttft"], .99), itl_p50=r["itl"][0], itl_p99=r["itl"][1],
+                  pass_tokens_per_s=[tokens / w for w in r["walls"]])
       cells.append(cell)
       row.append(cell)
-    best = max(rates[:n_fixed])
-    print(f"| {b} | " + " | ".join(f"{r:.1f}" for r in rates) + f" | {rates[-2] / best:.2f}x / "
-          f"{rates[-1] / best:.2f}x |", flush=True)
+    best = int(np.argmax(rates[:n_fixed]))
+    print(f"| {b} | " + " | ".join(f"{r:.1f}" for r in rates) + f" | {rates[-2] / rates[best]:.2f}x / "
+          f"{rates[-1] / rates[best]:.2f}x | {paired(results[-2], results[best]):.2f}x / "
+          f"{paired(results[-1], results[best]):.2f}x | {paired(results[-1], results[0]):.2f}x |", flush=True)
     lat.append(row)
   print("\n| max_batch | width | ITL p50 / p99 ms | TTFT p50 / p99 s | decode calls |\n|---|---|---|---|---|")
   for row in lat:

@@ -24,6 +24,7 @@ import few_row_dots  # noqa: E402
 import hot_path_ab  # noqa: E402
 import plots  # noqa: E402
 import scaling  # noqa: E402
+import serve_bench  # noqa: E402
 import serve_http  # noqa: E402
 import vs_transformers  # noqa: E402
 
@@ -44,6 +45,14 @@ for path in sys.argv[1:]:
   except SystemExit as e:
     assert e.code in (0, None), (path, e.code)
 """
+
+
+def test_paired_ratio_is_the_median_of_same_round_ratios():
+  # Round 2 ran twice as fast for both: its ratio is 1, as is round 3's; medians across rounds would say 1.5.
+  slow = dict(walls=[3.0, 1.5, 3.0])
+  fast = dict(walls=[2.0, 1.5, 3.0])
+  assert serve_bench.paired(fast, slow) == 1.0
+  assert serve_bench.paired(dict(walls=[1.0, 1.0, 1.0]), dict(walls=[2.0, 2.0, 4.0])) == 2.0
 
 
 def test_scripts_start_from_a_checkout():
