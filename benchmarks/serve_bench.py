@@ -26,7 +26,7 @@ speed between rounds falls on both alike, where two medians may come from differ
 best fixed width of a row is the one with the best median. Before the "auto" rows, the stream
 also runs once at each fixed k = 0..K, which compiles most steps "auto" may pick. The counts of
 outputs equal to generate's are printed.
-Run: python benchmarks/serve_bench.py [--quick] [--json PATH].
+Run: python benchmarks/serve_bench.py [--quick] [--json PATH] [--models both|trained|random].
 """
 
 from __future__ import annotations
@@ -218,6 +218,8 @@ def main(argv=None) -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--quick", action="store_true", help="the small demo model, a few short requests (a smoke run)")
   ap.add_argument("--json", type=Path, default=None, help="write part 2's cells here (for plots.py)")
+  ap.add_argument("--models", choices=("both", "trained", "random"), default="both",
+                  help="the models whose tables run (default both)")
   args = ap.parse_args(argv)
   quick = args.quick
   opts = QUICK if quick else FULL
@@ -228,12 +230,13 @@ def main(argv=None) -> None:
   random_proposer = mtp_jax.init_mtp(proposer.cfg, 1)
   print(f"# serve_bench ({jax.devices()[0].platform}, {os.cpu_count()} CPUs, load average at start "
         f"{os.getloadavg()[0]:.2f})")
-  _stream_table(f"trained {name} demo model", target, proposer, opts, k)
-  jax.clear_caches()
-  _stream_table(f"random model of the {name} demo's shape", random_target, random_proposer, opts, k)
+  models = [(f"trained {name} demo", target, proposer), (f"random {name}-shaped", random_target, random_proposer)]
+  models = [m for m, key in zip(models, ("trained", "random")) if args.models in ("both", key)]
+  for label, t, p in models:
+    jax.clear_caches()
+    _stream_table(f"{label} model", t, p, opts, k)
   cells = []
-  for label, t, p in ((f"trained {name} demo", target, proposer), (f"random {name}-shaped", random_target,
-                                                                     random_proposer)):
+  for label, t, p in models:
     _batch_table(label, t, p, opts, k, cells)
   if args.json:
     args.json.write_text(json.dumps(dict(benchmark="serve_bench", backend=jax.default_backend(),
