@@ -2,7 +2,6 @@
 acceptance, and the requests whose drafts do not pay."""
 
 import collections
-import numpy as np
 import pytest
 
 import mtp_jax
@@ -232,22 +231,3 @@ def test_drafting_requests_stop_together_once_none_of_their_drafts_pays():
   for rid in [*ids, fixed]:
     req = engine.requests[rid]
     assert req.tokens == _alone(tuple(req.prompt))[:req.max_new_tokens]
-
-
-def test_a_request_admitted_where_a_narrow_width_wins_runs_that_many_modules():
-  """Where the policy's best width is 1, a request admitted then verifies at most 1 draft for
-  its life (`admission_width`) and its prefill runs module 0 only; outputs stay exact."""
-  policy = DraftPolicy(K)
-  for k, seconds in enumerate([1.0, 0.5, 5.0, 5.0]):  # width 1 wins at bucket 1
-    policy.record(k, 1, seconds)
-  assert policy.admission_width(1) == 1 and DraftPolicy(K).admission_width(1) == K
-  engine = Engine(TARGET5, PROPOSER5, max_batch=2, max_len=64, page_size=2, num_pages=64, draft_policy=policy,
-                  steps_per_call=1)
-  rid = engine.add_request([1, 2, 3], 12)
-  engine.step()
-  assert engine.requests[rid].draft_cap == 1 and int(engine._s.slots.num_drafts[0]) == 1
-  lengths = np.asarray(engine._s.proposer.lengths)[:, 0]
-  assert lengths[0] > 0 and (lengths[1:] == 0).all()  # the deeper modules never ran
-  engine.run()
-  assert engine.requests[rid].tokens == _alone((1, 2, 3))[:12]
-  assert engine.requests[rid].drafts_verified > 0

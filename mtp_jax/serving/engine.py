@@ -318,11 +318,10 @@ class Engine:
   def _admit_waiting(self) -> None:
     admitted, whole, part = self._admission.admit([i for i, r in enumerate(self._slots) if r is None],
                                                   self.requests)
-    width = None if self.policy is None else self.policy.admission_width(self.num_running + len(admitted))
     for req in admitted:
       self._slots[req.slot] = req.id
       if req.num_drafts == "auto":
-        req.drafting, req.draft_cap = self.policy.admits_drafting(), width
+        req.drafting = self.policy.admits_drafting()
     if part is not None:
       self._prefill_part(part)
     if whole:
@@ -345,19 +344,19 @@ class Engine:
     self._next_span = None  # the prefill takes pages
     self._use_grammars([r.grammar for r in admitted if r.grammar is not None])
     n = len(admitted)
+    prompts = [r.prompt[r.prefilled:] for r in admitted]
     idx_A = self._slot_group([r.slot for r in admitted])
     a = len(idx_A)
-    prompts_AxT, lens_A = padded_prompts([r.prompt[r.prefilled:] for r in admitted], a, range(n))
+    prompts_AxT, lens_A = padded_prompts(prompts, a, range(n))
     admit_A, max_new_A = np.arange(a) < n, np.zeros((a,), np.int32)
-    max_new_A[:n] = [r.max_new_tokens for r in admitted]
     gstart_A = np.full((a,), grammar_lib.FREE, np.int32)
-    gstart_A[:n] = [grammar_lib.FREE if r.grammar is None else self._grammars.start(r.grammar) for r in admitted]
+    for i, r in enumerate(admitted):
+      max_new_A[i] = r.max_new_tokens
+      if r.grammar is not None:
+        gstart_A[i] = self._grammars.start(r.grammar)
     slots = slot_settings(admitted, a, vocab_size=self.target.cfg.vocab_size, max_drafts=self.max_drafts,
                           seed=self.defaults.seed)
-    # Modules past the widest admitted request's cap never run for them: the prefill skips them.
-    width = max(1, *(r.draft_cap if r.num_drafts == "auto" else r.num_drafts for r in admitted))
-    step = self._base if self.policy is None or width >= self.max_drafts else self._base.replace(verify_drafts=width)
-    self._s = jit_prefill(step, self.target, self.proposer, self._grammars.union, self._s, prompts_AxT,
+    self._s = jit_prefill(self._base, self.target, self.proposer, self._grammars.union, self._s, prompts_AxT,
                           lens_A, admit_A, gstart_A, max_new_A, slots, idx_A, self._read_for(idx_A, lens_A))
 
   def _slot_group(self, slots: list[int]) -> np.ndarray:
@@ -384,7 +383,8 @@ class Engine:
       return
     running = [self.requests[rid].grammar for rid in self._slots if rid is not None]
     gstate_B = self._s.grammar_state
-    gstate_B = jnp.full(self._s.last.shape, grammar_lib.FREE, jnp.int32) if gstate_B is None else gstate_B
+    if gstate_B is None:
+      gstate_B = jnp.full(self._s.last.shape, grammar_lib.FREE, jnp.int32)
     self._s = self._s.set(grammar_state=self._grammars.use(needed, running, gstate_B))
 
   def _respan(self, num_new_B, span_needed: int | None = None) -> None:

@@ -115,18 +115,6 @@ class DraftPolicy:
         return min(stale, key=lambda k: self.timed_at.get((k, b), -1))
     return best
 
-  def admission_width(self, num_running: int) -> int:
-    """The drafts a request admitted now verifies at most, for its whole life (its modules past
-    them never run, from its prefill on): the width with the most gain with num_running requests
-    (max_drafts while the bucket has widths to try), at least 1 so that probes still measure its
-    drafts. A request that lives at a narrower width than it drafts for keeps its deeper modules
-    current for nothing, and one that waits there `deferred_rows` rows is narrowed anyway."""
-    b = self.bucket(num_running)
-    if self._untried(b) is not None:
-      return self.max_drafts
-    gain = self._gains(b, [1.0] * num_running)
-    return max(1, max(gain, key=gain.get))
-
   def drafts_pay(self, scale: float = 1.0) -> bool:
     """Whether drafts pay for a request running alone at `scale` times the pooled acceptance
     (`request_scale`): some k > 0 beats k = 0 at the smallest bucket whose widths are all timed

@@ -47,9 +47,8 @@ class Request:
   # False: an "auto" request admitted where drafts do not pay (DraftPolicy.admits_drafting), or
   # stopped since, its own drafts not paying (DraftPolicy.keeps_drafting).
   drafting: bool = True
-  # The most drafts a step verifies for it, as its slot said after the last call; "auto" sets it
-  # at admission (`DraftPolicy.admission_width`) and narrows it to a width it kept for
-  # `deferred_rows` rows (None: max_drafts).
+  # The most drafts a step verifies for it, as its slot said after the last call (None: not read
+  # yet); "auto" narrows it to a width it kept for `deferred_rows` rows.
   draft_cap: int | None = None
   verify_calls: int = 0
   drafts_verified: int = 0
@@ -130,8 +129,7 @@ def slot_settings(admitted: list[Request], a: int, *, vocab_size: int, max_draft
   for i, r in enumerate(admitted):
     temperature[i], top_k[i] = r.temperature, min(r.top_k or 0, vocab_size)
     top_p[i] = 1.0 if r.top_p is None else r.top_p
-    auto_cap = max_drafts if r.draft_cap is None else r.draft_cap
-    caps[i] = (auto_cap if r.drafting else 0) if r.num_drafts == "auto" else r.num_drafts
+    caps[i] = (max_drafts if r.drafting else 0) if r.num_drafts == "auto" else r.num_drafts
     eos[i, :len(r.eos_token_ids)] = r.eos_token_ids
     keys[i] = row_key(r.seed) if r.seed is not None else row_key(seed, r.id)
   return SlotSettings(RowSampling(jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p)),

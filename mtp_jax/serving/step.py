@@ -234,12 +234,10 @@ class DecodeStep:
     # Position j's token is t_{j+1}: the prompt shifted left, with the first generated token at the end.
     tokens = jnp.concatenate([prompts_BxT[:, 1:], prompts_BxT[:, :1]], axis=1)
     tokens = tokens.at[jnp.arange(b), jnp.maximum(lens_B - 1, 0)].set(first_B)
-    # A slot that verifies no drafts (num_drafts 0) gets no module rows, now or later. A prefill
-    # at a narrower width runs that many modules (the admitted slots' caps are no wider).
-    lagging = self.settings.verify_width < self.settings.num_drafts
+    # A slot that verifies no drafts (num_drafts 0) gets no module rows, now or later.
     drafts, tree_probs, pstate = _draft_unless_idle(
         lambda pstate, hid, tokens, num_new: self.drafter.draft(proposer, grammar, pstate, hid, tokens, num_new,
-                                                                gstate_B, s.slots, s.num_out, read, lagging),
+                                                                gstate_B, s.slots, s.num_out, read),
         pstate, hid, tokens, jnp.where(ok_B & (s.slots.num_drafts > 0), lens_B, 0))
     keep = lambda new, prev: jnp.where(admit_B.reshape((b,) + (1,) * (new.ndim - 1)), new, prev)
     # A running slot whose deeper modules lag (`Deferred`) may see them run here over rows whose
