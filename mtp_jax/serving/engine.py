@@ -15,7 +15,7 @@ state as per-slot arrays (`SlotSettings`), so any mix runs one compiled step. `s
 3. reads the tokens each request gained and frees the slots (and pages) of finished ones at once.
 
 Every jitted call donates the loop state, so the caches are updated in place. Host work per
-step is one read (tokens, counters, draft caps, the next page need). Greedy output per request
+step is one read (tokens, counters and the next step's page need). Greedy output per request
 equals `generate` run on that request alone: a slot's rows, pages and counters are its own, and
 the step masks the rest. A sampled request's token at output position n is its draw keyed by
 (its key, n): with Gumbel acceptance (the default) its tokens equal `generate` sampling it alone
@@ -24,13 +24,14 @@ admission step; with acceptance="rejection" they follow its draft counts (their 
 does not).
 
 Speculation adapts (`num_drafts="auto"`, `DraftPolicy`): before each call the engine picks how
-many drafts the target verifies from the running count, the measured acceptance per draft
-position and step time at each width; at a narrow width (2k < K) only that many modules run:
-the deeper ones' rows wait (`deferred_rows`) and they catch up on them in one call when a wider
-step needs them (at width 0 no module runs); a request that waited deferred_rows rows drafts at
-most that width from then on. At a wider one every module runs over each step's rows. A request that verifies no drafts
-(num_drafts=0, or "auto" admitted where drafts do not pay even alone: `admits_drafting`) gets no
-module rows, from its prefill on; nor do "auto" ones once none's drafts pay (`keeps_drafting`).
+many drafts the target verifies from the running requests' count, the measured acceptance per
+draft position and the measured time of a step at each width; at a narrow width (2k < K) only
+that many modules run: the deeper ones' rows wait (`deferred_rows`) and they catch up on them in
+one call when a wider step needs them, so any width may follow any other (at width 0 no module
+runs); at a wider one the deeper modules run over each step's rows.
+A request that verifies no drafts (num_drafts=0, or "auto" admitted where drafts do not pay even
+alone: `DraftPolicy.admits_drafting`) gets no module rows at all, from its prefill to its end;
+nor do "auto" ones once no drafting one's drafts pay (`DraftPolicy.keeps_drafting`).
 
 Its parts: admission.py (the queue, page reservations, chunked prefill), policy.py (the width),
 grammars.py (the grammar union), metrics.py (`Tally`, the counters), calibrate.py.
@@ -159,6 +160,7 @@ class Engine:
                                                  f"lossy and greedy only), got temperature={temperature}")
     seed = None if seed is None else validate.integer("seed", seed, 0, 2**32 - 1)
     num_drafts = self._check_num_drafts(self.num_drafts if num_drafts is None else num_drafts)
+    v = self.target.cfg.vocab_size
     grammar = check_grammar(grammar, constrained, self.grammar, v, self._grammar_eos)
     default_eos = () if self.defaults.eos_token_id is None else (self.defaults.eos_token_id,)
     eos = check_eos(eos_token_ids, grammar, default_eos, v)
@@ -270,7 +272,7 @@ class Engine:
   def _set_width(self) -> None:
     """Sets the drafts the next call verifies: the most any running request asks for, "auto" ones
     as the `DraftPolicy` says (a tree engine verifies its whole tree, capped per request); first,
-    when no drafting request's drafts pay any more (`keeps_drafting`), they stop."""
+    when no drafting request's drafts pay any more (`DraftPolicy.keeps_drafting`), they stop."""
     if self.defaults.tree is not None:
       return
     running = [self.requests[rid] for rid in self._slots if rid is not None]
@@ -287,8 +289,7 @@ class Engine:
       # A request that does not draft adds its one token a step whatever the width.
       scales = [self.policy.request_scale(r.drafts_accepted, r.drafts_verified) if r.drafting else 0.0
                 for r in running]
-      caps = [self.max_drafts if r.draft_cap is None else r.draft_cap for r in running]
-      k = max(k, self.policy.choose(len(running), scales, caps))
+      k = max(k, self.policy.choose(len(running), scales))
     # No running request drafts: the step carries the proposer's state through untouched (its
     # bookkeeping cost 7% of the steps of 8 slots that run no module).
     idle = self.proposer is not None and not any(r.num_drafts != 0 and r.drafting for r in running)
@@ -354,10 +355,10 @@ class Engine:
       max_new_A[i] = r.max_new_tokens
       if r.grammar is not None:
         gstart_A[i] = self._grammars.start(r.grammar)
-    slots = slot_settings(admitted, a, vocab_size=self.target.cfg.vocab_size, max_drafts=self.max_drafts,
-                          seed=self.defaults.seed)
-    self._s = jit_prefill(self._base, self.target, self.proposer, self._grammars.union, self._s, prompts_AxT,
-                          lens_A, admit_A, gstart_A, max_new_A, slots, idx_A, self._read_for(idx_A, lens_A))
+    self._s = jit_prefill(self._base, self.target, self.proposer, self._grammars.union,
+                          self._s, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A,
+                          slot_settings(admitted, a, vocab_size=self.target.cfg.vocab_size, max_drafts=self.max_drafts,
+                                        seed=self.defaults.seed), idx_A, self._read_for(idx_A, lens_A))
 
   def _slot_group(self, slots: list[int]) -> np.ndarray:
     """int32[A]: slots, then others (free ones first, untouched by the call) up to a power of two
@@ -402,9 +403,8 @@ class Engine:
     """(the tokens each running request gained, decode steps the last call ran)."""
     s = self._s
     # The next step's page need comes in the same read: freeing slots only lowers it.
-    num_out, out, done, oom, verify_calls, verified, accepted, caps, read_at, self._next_span = jax.device_get(
+    num_out, out, done, oom, verify_calls, verified, accepted, read_at, self._next_span = jax.device_get(
         (s.num_out, s.out, s.done, s.out_of_pages, s.counts.verify_calls, s.counts.drafts_verified, s.counts.accepted,
-         s.slots.num_drafts,
          jnp.stack([s.counts.accepted_at, s.counts.proposed_at]),
          jit_span_needed(self._base, s, self._step.rows_next(s) * self.steps_per_call)))
     self._next_span = int(self._next_span)
@@ -426,8 +426,6 @@ class Engine:
       self.tally.verify_steps += int(verify_calls[slot]) - req.verify_calls
       req.verify_calls = int(verify_calls[slot])
       req.drafts_verified, req.drafts_accepted = int(verified[slot]), int(accepted[slot])
-      req.draft_cap = int(caps[slot])
-      req.drafting &= req.draft_cap > 0 or req.num_drafts != "auto"
       gained[rid] = new
       if new:
         self.tally.tokens_arrived(len(new), now, req.arrived_at, req.last_token_at)

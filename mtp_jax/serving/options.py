@@ -84,9 +84,8 @@ class StepSettings:
   call may verify any number. deferred_rows: W > 0 (a chain): a step at width k with
   2k < num_drafts (`step.defers`) runs modules 0..k-1 only (none at 0) and keeps its verified
   rows (`LoopState.deferred`); the deeper modules catch up on the kept rows in one call when a
-  wider step needs them. A slot whose next rows would not fit in W drops them and drafts at most
-  k from then on (its `SlotSettings.num_drafts` becomes k). 0: every step hands every module its
-  rows. modules_idle: no slot the step runs drafts (the Engine's calls where every running
+  wider step needs them or the next rows would not fit in W. 0: every step hands every module
+  its rows. modules_idle: no slot the step runs drafts (the Engine's calls where every running
   request verifies no drafts): it verifies none and runs no module (the proposer's state and any
   waiting rows pass through as they came); needs verify_drafts=0.
   """
@@ -166,8 +165,8 @@ class EngineConfig:
     ones can take the first one's and skip measuring every width anew.
   deferred_rows: under num_drafts="auto", a step at width k with 2k < K runs modules 0..k-1
     only (none at 0): the deeper ones catch up on up to this many verified rows per slot in one
-    call when a wider step needs them; a request that waited this many rows drafts at most k for
-    the rest of its life (0: every module runs every step, over its rows).
+    call, when a wider step needs them or the rows fill (0: every module runs every step, over
+    its rows).
     Only "auto" engines defer.
   """
 

@@ -86,15 +86,14 @@ class DraftPolicy:
   def bucket(num_running: int) -> int:
     return 1 << max(0, num_running - 1).bit_length()
 
-  def choose(self, num_running: int, scales: list[float] | None = None, caps: list[int] | None = None) -> int:
+  def choose(self, num_running: int, scales: list[float] | None = None) -> int:
     """The width of the next call with num_running requests; scales: the running requests' own
-    acceptance relative to the pooled one (`request_scale`; None: every request at 1); caps: the
-    most drafts a step verifies for each (None: max_drafts each)."""
+    acceptance relative to the pooled one (`request_scale`; None: every request at 1)."""
     b = self.bucket(num_running)
     untried = self._untried(b)
     if untried is not None:
       return untried
-    gain = self._gains(b, [1.0] * num_running if scales is None else scales, caps)
+    gain = self._gains(b, [1.0] * num_running if scales is None else scales)
     best = max(gain, key=gain.get)  # a tie: the narrowest
     self.choices[b] = self.choices.get(b, 0) + 1
     if best == 0 and self.max_drafts and (self.probe_due or self.choices[b] % self.PROBE_EVERY == 0):
@@ -159,16 +158,15 @@ class DraftPolicy:
         return k
     return None
 
-  def _gains(self, bucket: int, scales: list[float], caps: list[int] | None = None) -> dict[int, float]:
+  def _gains(self, bucket: int, scales: list[float]) -> dict[int, float]:
     """Expected tokens per second of each width k = 0..K at bucket (none of them `_untried`), for
-    requests of acceptance scales that verify at most caps drafts a step (None: max_drafts)."""
+    requests of acceptance scales."""
     rate = self.rates()
-    caps = [self.max_drafts] * len(scales) if caps is None else caps
     gain = {}
     for k in range(self.max_drafts + 1):
       seconds = self.step_seconds(k, bucket) if self.seconds.get((k, bucket)) else self._estimate(k, bucket)
       # Tokens a step gives each request: its one, plus the drafts it is expected to keep.
-      gain[k] = sum(1 + sum(min(1.0, c * r) for r in rate[:min(k, cap)]) for c, cap in zip(scales, caps)) / seconds
+      gain[k] = sum(1 + sum(min(1.0, c * r) for r in rate[:k]) for c in scales) / seconds
     return gain
 
   def rates(self) -> list[float]:

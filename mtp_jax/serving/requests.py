@@ -47,9 +47,6 @@ class Request:
   # False: an "auto" request admitted where drafts do not pay (DraftPolicy.admits_drafting), or
   # stopped since, its own drafts not paying (DraftPolicy.keeps_drafting).
   drafting: bool = True
-  # The most drafts a step verifies for it, as its slot said after the last call (None: not read
-  # yet); "auto" narrows it to a width it kept for `deferred_rows` rows.
-  draft_cap: int | None = None
   verify_calls: int = 0
   drafts_verified: int = 0
   drafts_accepted: int = 0

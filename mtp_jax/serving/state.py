@@ -113,9 +113,7 @@ class Deferred:
 
   A step at width k with 2k < K (`serving.step.defers`) runs modules 0..k-1 only (none at
   k = 0): it keeps its newly verified rows here, and modules k..K-1 catch up on every kept row
-  in one call when a step needs them (a wider one). A slot whose rows would not fit drops them
-  and drafts at most k from then on (its deeper modules are left behind for good: the state
-  stays bounded, and a request that waited W rows at a width keeps it). Module k's input
+  in one call, when a step needs them (a wider one) or the rows would not fit. Module k's input
   at a kept row is module k-1's output there, which its ring no longer holds, so that call puts
   the slot's proposer back as it was when its rows began to wait (`began`) and runs the chain
   over them all. A run of W rows at width 0 thus costs one K-module call instead of W, and a run
@@ -145,13 +143,10 @@ class Deferred:
                jnp.zeros((b,), jnp.int32), jnp.zeros_like(proposer.lengths), jnp.zeros_like(proposer.num_pos),
                tuple(jnp.zeros_like(t) for t in proposer.tail))
 
-  def lags(self, width: int) -> jax.Array:
-    """bool[]: a step at this width must first catch up: a waiting slot's modules below it lag."""
-    return jnp.any((self.n > 0) & (self.width < width))
-
-  def overflows(self, num_new_B) -> jax.Array:
-    """bool[B]: the slots whose num_new_B (int32[B]) more rows would not fit."""
-    return self.n + num_new_B > self.hid.shape[1]
+  def lags(self, width: int, num_new_B) -> jax.Array:
+    """bool[]: a step at this width must first catch up: a waiting slot's modules below it lag,
+    or a slot's num_new_B (int32[B]) rows would not fit."""
+    return jnp.any((self.n > 0) & (self.width < width)) | jnp.any(self.n + num_new_B > self.hid.shape[1])
 
   def began(self, proposer: prop.ProposerState) -> "Deferred":
     """The slots with no rows kept remember `proposer` (settled, before this step's propose) as
@@ -173,7 +168,7 @@ class Deferred:
                         tail=tuple(at(old, t) for old, t in zip(self.tail, proposer.tail)))
 
   def kept(self, hid_BxTxD, tok_BxT, num_new_B, width: int) -> "Deferred":
-    """These rows and each slot's num_new_B (int32[B], at most W - n: `overflows`) new ones after
+    """These rows and each slot's num_new_B (int32[B], at most W - n: `lags`) new ones after
     them, kept by a step at this width."""
     b, w, t = self.n.shape[0], self.hid.shape[1], tok_BxT.shape[1]
     u_BxT = jnp.arange(t, dtype=jnp.int32)[None]

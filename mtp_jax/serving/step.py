@@ -340,9 +340,8 @@ class DecodeStep:
     if deferred is None:
       drafts, tree_probs, pstate = _draft_unless_idle(draft, pstate, hid, new_BxK1, num_new)
     else:
-      drafts, tree_probs, pstate, deferred, cap_B = _draft_deferring(
-          draft, k, self.drafter.num_drafts, pstate, deferred, hid, new_BxK1, num_new, s2.slots.num_drafts)
-      s2 = s2.set(slots=s2.slots.set(num_drafts=cap_B))
+      drafts, tree_probs, pstate, deferred = _draft_deferring(draft, k, self.drafter.num_drafts, pstate, deferred,
+                                                              hid, new_BxK1, num_new)
     tree_probs = None if s.tree_probs is None else tree_probs  # kept for rejection sampling only
     return self._stop_out_of_pages(s2.set(proposer=pstate, drafts=drafts, tree_probs=tree_probs, deferred=deferred))
 
@@ -397,37 +396,30 @@ def defers(k: int, full: int) -> bool:
   return 2 * k < full
 
 
-def _draft_deferring(draft, k: int, full: int, pstate, deferred: Deferred, hid, tokens, num_new_B, cap_B):
-  """(drafts, draft distributions or None, new proposer state, new `Deferred`, new cap int32[B])
-  of a step at width k of at most `full` drafts that may defer the modules past k (`defers`;
-  draft(..., lagging=True) runs k); cap_B: each slot's draft cap (`SlotSettings.num_drafts`).
+def _draft_deferring(draft, k: int, full: int, pstate, deferred: Deferred, hid, tokens, num_new_B):
+  """(drafts, draft distributions or None, new proposer state, new `Deferred`) of a step at width
+  k of at most `full` drafts that may defer the modules past k (`defers`; draft(..., lagging=True)
+  runs k).
 
-  A step that does not defer, or one whose width a waiting slot's modules lag behind, first puts
-  each waiting slot's proposer back as its wait began and runs the chain over the kept rows and
-  its own (every module current after it). Any other step runs modules 0..k-1 over its rows (none
-  at k = 0) and keeps them for the deeper ones, in the slots whose cap is above k (the others
-  draft no deeper). A slot whose rows would not fit drops its kept rows and its cap becomes k:
-  catching up W rows costs about the deeper modules' calls that waiting saved, and a slot that
-  waited W rows at a narrow width is likely to stay at it (the policy picks widths per batch
-  size), so its deeper modules stop there instead of running behind it."""
+  A step that does not defer, or one whose width a waiting slot's modules lag behind, or whose
+  rows would not fit, first puts each waiting slot's proposer back as its wait began and runs the
+  chain over the kept rows and its own (every module current after it); any other step runs
+  modules 0..k-1 over its rows (none at k = 0) and keeps them for the deeper ones."""
   def catch_up():
     drafts, probs, p = draft(deferred.restored(pstate), *deferred.joined(hid, tokens, num_new_B))
-    return drafts, probs, p, deferred.emptied(), cap_B
+    return drafts, probs, p, deferred.emptied()
 
   if not defers(k, full):
     return jax.lax.cond(jnp.any(deferred.n > 0), catch_up,
-                        lambda: (*draft(pstate, hid, tokens, num_new_B), deferred, cap_B))
+                        lambda: (*draft(pstate, hid, tokens, num_new_B), deferred))
 
   def wait():
-    keep_B = jnp.where(cap_B > k, num_new_B, 0)
-    full_B = deferred.overflows(keep_B)
-    kept = deferred.emptied(full_B).began(pstate).kept(hid, tokens, jnp.where(full_B, 0, keep_B), k)
-    cap = jnp.where(full_B, k, cap_B)
+    kept = deferred.began(pstate).kept(hid, tokens, num_new_B, k)
     if k == 0:
-      return *_no_drafts(draft, pstate, hid, tokens, num_new_B)[:2], pstate, kept, cap
-    return *draft(pstate, hid, tokens, num_new_B, lagging=True), kept, cap
+      return *_no_drafts(draft, pstate, hid, tokens, num_new_B)[:2], pstate, kept
+    return *draft(pstate, hid, tokens, num_new_B, lagging=True), kept
 
-  return jax.lax.cond(deferred.lags(k), catch_up, wait)
+  return jax.lax.cond(deferred.lags(k, num_new_B), catch_up, wait)
 
 
 def _draft_unless_idle(draft, pstate, hid, tokens, num_new_B):
