@@ -47,7 +47,7 @@ def test_draft_policy_tries_each_width_then_picks_the_most_tokens_per_second():
   assert picks == [3, 2, 1, 0]  # untried widths first, widest first
   assert policy.choose(1) == 3  # equal step times: drafts are free (prior acceptance)
   policy.observe([0, 0, 0], [100] * 3)
-  assert policy.rates()[0] < 0.02  # measured: drafts are all but never accepted (the prior weighs 4 verifications)
+  assert policy.rates()[0] < 0.04  # measured: drafts are all but never accepted (the prior weighs 4 verifications)
   assert policy.choose(1) == 3  # yet at equal step times even those few pay
   # The median per step, each call weighing its steps: a slow call (0.1 s) does not move it.
   policy.record(3, 1, 0.02, steps=4)
@@ -73,7 +73,8 @@ def test_draft_policy_tries_each_width_then_picks_the_most_tokens_per_second():
   # Every 4th call at a bucket times again a runner-up within a tenth of the best.
   one = DraftPolicy(1)
   one.record(1, 1, 0.02)
-  one.record(0, 1, 0.0105)  # prior rate 0.5: k=1 1.5 / 0.02 = 75, k=0 1 / 0.0105 = 95: far
+  one.record(0, 1, 0.0105)
+  one.observe([4], [12])  # rate (4 + 4) / 16 = 0.5: k=1 1.5 / 0.02 = 75, k=0 1 / 0.0105 = 95: far
   assert [one.choose(1) for _ in range(4)] == [0, 0, 0, 0]
   one.record(1, 1, 0.014)  # k=1 1.5 / 0.014 = 107 now beats k=0: 95
   assert [one.choose(1) for _ in range(4)] == [1, 1, 1, 0]  # the 8th call times the runner-up, k=0, again
@@ -82,6 +83,7 @@ def test_draft_policy_tries_each_width_then_picks_the_most_tokens_per_second():
   policy = DraftPolicy(2)
   for k, seconds in ((2, 0.02), (0, 0.010), (1, 0.012)):
     policy.record(k, 1, seconds)
+  policy.observe([4, 3], [12, 12])  # rates 0.5, 0.25: k=1 1.5 / 0.012 = 125, k=2 1.75 / 0.02 = 87.5
   policy.choices[1] = 2
   picks = [policy.choose(1) for _ in range(DraftPolicy.RETIME_EVERY)]  # calls 3..18
   assert picks[:5] == [1] * 5 and picks[5] == 2 and picks.count(2) == 1
@@ -92,12 +94,12 @@ def test_deeper_drafts_never_verified_take_their_prior_from_the_measured_ones():
   (r_2 ~ r_1^2 / r_0), so a model whose drafts pass is not held at the narrower width by a fixed
   prior of 0.125 (the trained demo's calibrated engine stayed at k = 2 at one request for that)."""
   policy = DraftPolicy(3)
-  assert policy.rates() == pytest.approx([0.5, 0.25, 0.125])  # nothing measured: halving
+  assert policy.rates() == pytest.approx([1.0, 1.0, 1.0])  # nothing measured: drafts pass until measured
   for k, seconds in enumerate([0.010, 0.012, 0.014, 0.0165]):
     policy.record(k, 1, seconds)
   policy.observe([80, 64, 0], [100, 100, 0])  # k = 3 never ran: draft 2 never verified
   r = policy.rates()
-  assert r[0] == pytest.approx(82 / 104) and r[1] == pytest.approx((64 + 4 * r[0] ** 2) / 104)
+  assert r[0] == pytest.approx(84 / 104) and r[1] == pytest.approx((64 + 4 * r[0] ** 2) / 104)
   assert r[2] == pytest.approx(r[1] ** 2 / r[0])
   assert policy.choose(1) == 3  # 2.94 / 0.0165 beats 2.43 / 0.014 (with 0.125 it would not: 2.55 / 0.0165)
   policy.observe([0, 0, 0], [0, 0, 400])  # once verified, the counts rule: all rejected
@@ -112,8 +114,8 @@ def test_policy_turns_speculation_off_when_drafts_are_rejected_and_probes_back()
   for k in range(K + 1):
     policy.record(k, 4, 1.0 + 0.3 * k)
   policy.choices[4] = 1  # so neither probes nor runner-up reruns fall in the first calls below
-  assert policy.choose(4) == 1  # the prior, 0.5, 0.25, 0.125 accepted: 1.5 / 1.3 beats 1 / 1.0 and 1.75 / 1.6
-  policy.observe([0] * K, [8] * K)  # eight verifications, none accepted
+  assert policy.choose(4) == K  # the prior, every draft accepted: 4 / 1.9 beats 1 / 1.0
+  policy.observe([0] * K, [24] * K)  # 24 verifications, none accepted: 1.14 / 1.3 at k = 1 under 1 / 1.0
   picks = [policy.choose(4) for _ in range(2 * DraftPolicy.PROBE_EVERY)]
   assert picks.count(1) == 2 and set(picks) == {0, 1}
   policy.observe([200, 0, 0], [200, 0, 0])  # the probes find position 0 always accepted
@@ -165,7 +167,7 @@ def test_requests_admitted_where_drafts_do_not_pay_run_no_module():
   for b in (1, 2):
     for k in range(K + 1):
       policy.record(k, b, 1.0 + 0.3 * k)
-  assert policy.drafts_pay()  # the prior: 0.5 of first drafts accepted
+  assert policy.drafts_pay()  # the prior: drafts pass until measured
   policy.observe([0] * K, [40] * K)
   assert not policy.drafts_pay()
   engine = Engine(TARGET5, PROPOSER5, max_batch=2, max_len=64, page_size=2, num_pages=40, num_drafts="auto",

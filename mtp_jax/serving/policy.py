@@ -172,13 +172,16 @@ class DraftPolicy:
   def rates(self) -> list[float]:
     """The acceptance rate of each draft position: its measured counts plus PRIOR_WEIGHT
     verifications at a prior, so a few verifications already move it (a model whose drafts are
-    rejected turns speculation off within a few calls). The prior of position 0 is 0.5; that of
-    position i > 0 extends the rates before it geometrically (r_{i-1}^2 / r_{i-2}, r_0^2 for i = 1),
-    which is 0.5^(i + 1) with nothing measured. A width that never runs never verifies its deepest
-    drafts, so a fixed prior there would keep it from ever being chosen where it pays."""
+    rejected turns speculation off within one call of a few requests). The prior of position 0 is
+    1 (drafts pass until measured); that of position i > 0 extends the rates before it
+    geometrically (r_{i-1}^2 / r_{i-2}, r_0^2 for i = 1). A prior under what pays would start a
+    calibrated engine at k = 0, where no draft is verified, so acceptance would never be measured
+    (the trained demo's calibrated engine declined to draft for every request at 8 slots with a
+    prior of 0.5); and a width that never runs never verifies its deepest drafts, so a fixed
+    prior there would keep it from ever being chosen where it pays."""
     w, rates = self.PRIOR_WEIGHT, []
     for i, (a, p) in enumerate(zip(self.accepted_at, self.proposed_at)):
-      prior = 0.5 if i == 0 else rates[-1] * (rates[-1] / rates[-2] if i > 1 and rates[-2] > 0 else rates[-1])
+      prior = 1.0 if i == 0 else rates[-1] * (rates[-1] / rates[-2] if i > 1 and rates[-2] > 0 else rates[-1])
       rates.append((a + w * min(1.0, prior)) / (p + w))
     return rates
 
@@ -187,8 +190,7 @@ class DraftPolicy:
     drafts verified, blended with the pooled rate worth PRIOR_WEIGHT drafts, so a request that has
     verified few drafts counts as the others do and one whose drafts fail falls towards 0."""
     w, k = self.PRIOR_WEIGHT, self.max_drafts
-    prior = sum(w * 0.5 ** (i + 1) for i in range(k))
-    pooled = (int(self.accepted_at.sum()) + prior) / (int(self.proposed_at.sum()) + w * k)
+    pooled = (int(self.accepted_at.sum()) + w * k) / (int(self.proposed_at.sum()) + w * k)  # prior: all pass
     return (drafts_accepted + w * pooled) / (drafts_verified + w) / pooled
 
   def _estimate(self, k: int, bucket: int) -> float | None:
