@@ -26,7 +26,7 @@ speed between rounds falls on both alike, where two medians may come from differ
 best fixed width of a row is the one with the best median. Before the "auto" rows, the stream
 also runs once at each fixed k = 0..K, which compiles most steps "auto" may pick. The counts of
 outputs equal to generate's are printed.
-Run: python benchmarks/serve_bench.py [--quick] [--json PATH] [--models both|trained|random].
+Run: python benchmarks/serve_bench.py [--quick] [--json PATH] [--models both|trained|random] [--parts both|1|2].
 """
 
 from __future__ import annotations
@@ -220,6 +220,8 @@ def main(argv=None) -> None:
   ap.add_argument("--json", type=Path, default=None, help="write part 2's cells here (for plots.py)")
   ap.add_argument("--models", choices=("both", "trained", "random"), default="both",
                   help="the models whose tables run (default both)")
+  ap.add_argument("--parts", choices=("both", "1", "2"), default="both",
+                  help="part 1 (the Engine against generate), part 2 (tokens/s against max_batch) or both")
   args = ap.parse_args(argv)
   quick = args.quick
   opts = QUICK if quick else FULL
@@ -232,11 +234,11 @@ def main(argv=None) -> None:
         f"{os.getloadavg()[0]:.2f})")
   models = [(f"trained {name} demo", target, proposer), (f"random {name}-shaped", random_target, random_proposer)]
   models = [m for m, key in zip(models, ("trained", "random")) if args.models in ("both", key)]
-  for label, t, p in models:
+  for label, t, p in models if args.parts != "2" else ():
     jax.clear_caches()
     _stream_table(f"{label} model", t, p, opts, k)
   cells = []
-  for label, t, p in models:
+  for label, t, p in models if args.parts != "1" else ():
     _batch_table(label, t, p, opts, k, cells)
   if args.json:
     args.json.write_text(json.dumps(dict(benchmark="serve_bench", backend=jax.default_backend(),

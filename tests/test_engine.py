@@ -265,16 +265,17 @@ def test_module_work_follows_the_width_and_drafts_stay_exact(deferred_rows, seed
   """Under "auto" a call at width k with 2k < K runs modules 0..k-1 only: the deeper modules'
   rows wait (`Deferred`, up to deferred_rows per slot) and they catch up on them all in one call
   when a wider step needs them or the rows would not fit (3: often); a wider call first catches
-  up, then runs every module over its rows. Over a random width history with
-  long runs at 0 (`_width_history`), each step's drafts equal those of an engine whose every
-  module consumes every row at once (deferred_rows=0, the property-tested catch-up), every greedy
-  request equals generate alone and the seeded sampled one plain sampling with its seed."""
+  up, then runs every module over its rows, and one after which no row waits skips that check.
+  Over a random width history with long runs at 0 (`_width_history`), each step's drafts equal
+  those of an engine whose every module consumes every row at once (deferred_rows=0, the
+  property-tested catch-up), every greedy request equals generate alone and the seeded sampled
+  one plain sampling with its seed."""
   script = _width_history(seed)
   engines = [Engine(TARGET5, PROPOSER5, max_batch=3, max_len=64, page_size=2, num_pages=64,
                     draft_policy=_ScriptedWidths(script), steps_per_call=1, deferred_rows=rows)
              for rows in (0, deferred_rows)]
   ref, engine = engines
-  widths, waiting = [], []
+  widths, waiting, checked = [], [], []
   while not widths or engine.num_running or engine.num_waiting:
     if len(widths) == 3:  # two admitted at once: a prefill over every slot, the first one's lagging
       for e in engines:
@@ -287,9 +288,13 @@ def test_module_work_follows_the_width_and_drafts_stay_exact(deferred_rows, seed
     assert ref.metrics()["verify_width"] == width
     live = ~np.asarray(engine._s.done)
     np.testing.assert_array_equal(np.asarray(engine._s.drafts)[live], np.asarray(ref._s.drafts)[live])
+    # A call skips the check for waiting rows (rows_waiting=False) only when none waited before it.
+    checked.append(engine._step.settings.rows_waiting)
+    assert checked[-1] or not waiting or waiting[-1] == 0
     widths.append(width)
     waiting.append(int(max(engine._s.deferred.n)))  # rows the deepest module has not consumed
   assert set(widths) == {0, 1, 2, K}
+  assert not all(checked) and any(c and w >= 2 for c, w in zip(checked, widths))
   assert 0 < max(waiting) <= deferred_rows
   # Rows wait while drafts are made: the deeper modules lag behind steps at width 1, never
   # after one at width 2 (2k >= K: it runs them).

@@ -15,7 +15,7 @@ state as per-slot arrays (`SlotSettings`), so any mix runs one compiled step. `s
 3. reads the tokens each request gained and frees the slots (and pages) of finished ones at once.
 
 Every jitted call donates the loop state, so the caches are updated in place. Host work per
-step is one read (tokens, counters and the next step's page need). Greedy output per request
+step is one read (tokens, counters, the next step's page need, whether rows wait). Greedy output per request
 equals `generate` run on that request alone: a slot's rows, pages and counters are its own, and
 the step masks the rest. A sampled request's token at output position n is its draw keyed by
 (its key, n): with Gumbel acceptance (the default) its tokens equal `generate` sampling it alone
@@ -60,7 +60,7 @@ from mtp_jax.serving.policy import DraftPolicy, programs_built
 from mtp_jax.serving.requests import Request, check_eos, check_grammar, slot_settings
 from mtp_jax.serving.generate import MIN_CAPACITY, padded_prompts
 from mtp_jax.serving.options import EngineConfig, Paging, StepSettings
-from mtp_jax.serving.step import DecodeStep
+from mtp_jax.serving.step import DecodeStep, defers
 from mtp_jax.serving.jit import (jit_free, jit_prefill, jit_prefill_part, jit_run_for, jit_span_needed,
                                  jit_stop_drafting)
 from mtp_jax.target import TargetModel
@@ -119,6 +119,7 @@ class Engine:
     self._slots: list[int | None] = [None] * self.max_batch
     self._admission = Admission(num_pages, max_waiting, prefill_chunk)
     self._next_span = None  # the page span the next call needs, read with the last call's outputs
+    self._rows_waiting = False  # whether some slot holds deferred rows, read with them too
     self._ids = itertools.count()
     self.requests: dict[int, Request] = {}  # every request's record until `forget` drops an ended one
     self.tally = Tally(self.max_drafts)  # metrics() counters, kept as requests end
@@ -160,7 +161,6 @@ class Engine:
                                                  f"lossy and greedy only), got temperature={temperature}")
     seed = None if seed is None else validate.integer("seed", seed, 0, 2**32 - 1)
     num_drafts = self._check_num_drafts(self.num_drafts if num_drafts is None else num_drafts)
-    v = self.target.cfg.vocab_size
     grammar = check_grammar(grammar, constrained, self.grammar, v, self._grammar_eos)
     default_eos = () if self.defaults.eos_token_id is None else (self.defaults.eos_token_id,)
     eos = check_eos(eos_token_ids, grammar, default_eos, v)
@@ -217,13 +217,8 @@ class Engine:
       raise validate.InvalidValue("request_id", f"request {request_id} is still {req.status}: cancel it first")
     return self.requests.pop(request_id)
 
-  @property
-  def num_running(self) -> int:
-    return sum(r is not None for r in self._slots)
-
-  @property
-  def num_waiting(self) -> int:
-    return len(self._admission.waiting)
+  num_running = property(lambda self: sum(r is not None for r in self._slots))
+  num_waiting = property(lambda self: len(self._admission.waiting))
 
   def free_pages(self) -> int:
     """Free pages in the target's pool, read from the device (the proposer's pool moves alike)."""
@@ -293,8 +288,11 @@ class Engine:
     # No running request drafts: the step carries the proposer's state through untouched (its
     # bookkeeping cost 7% of the steps of 8 slots that run no module).
     idle = self.proposer is not None and not any(r.num_drafts != 0 and r.drafting for r in running)
-    if k != self._step.settings.verify_width or idle != self._step.settings.modules_idle:
-      self._step = self._step.replace(verify_drafts=None if k == self.max_drafts else k, modules_idle=idle)
+    waiting = self._rows_waiting or defers(k, self.max_drafts)  # else the step skips the catch-up check
+    st = self._step.settings
+    if (k, idle, waiting) != (st.verify_width, st.modules_idle, st.rows_waiting):
+      self._step = self._step.replace(verify_drafts=None if k == self.max_drafts else k, modules_idle=idle,
+                                      rows_waiting=waiting)
       self._next_span = None  # read for the old width's rows
 
   def _expire(self, now: float) -> None:
@@ -403,11 +401,12 @@ class Engine:
     """(the tokens each running request gained, decode steps the last call ran)."""
     s = self._s
     # The next step's page need comes in the same read: freeing slots only lowers it.
-    num_out, out, done, oom, verify_calls, verified, accepted, read_at, self._next_span = jax.device_get(
+    num_out, out, done, oom, verify_calls, verified, accepted, read_at, self._next_span, waiting = jax.device_get(
         (s.num_out, s.out, s.done, s.out_of_pages, s.counts.verify_calls, s.counts.drafts_verified, s.counts.accepted,
          jnp.stack([s.counts.accepted_at, s.counts.proposed_at]),
-         jit_span_needed(self._base, s, self._step.rows_next(s) * self.steps_per_call)))
-    self._next_span = int(self._next_span)
+         jit_span_needed(self._base, s, self._step.rows_next(s) * self.steps_per_call),
+         None if s.deferred is None else s.deferred.n))
+    self._next_span, self._rows_waiting = int(self._next_span), waiting is not None and bool(waiting.any())
     new_accepted_at, new_proposed_at = read_at.astype(np.int64) - self._read_at
     self._read_at = read_at.astype(np.int64)
     self.tally.accepted_at += new_accepted_at

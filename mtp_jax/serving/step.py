@@ -337,7 +337,7 @@ class DecodeStep:
       return self.drafter.draft(proposer, grammar, pstate, hid, tokens, num_new, s2.grammar_state, s2.slots,
                                 s2.num_out, read, lagging)
     deferred = s.deferred
-    if deferred is None:
+    if deferred is None or not (st.rows_waiting or defers(k, self.drafter.num_drafts)):
       drafts, tree_probs, pstate = _draft_unless_idle(draft, pstate, hid, new_BxK1, num_new)
     else:
       drafts, tree_probs, pstate, deferred = _draft_deferring(draft, k, self.drafter.num_drafts, pstate, deferred,
