@@ -15,7 +15,7 @@ state as per-slot arrays (`SlotSettings`), so any mix runs one compiled step. `s
 3. reads the tokens each request gained and frees the slots (and pages) of finished ones at once.
 
 Every jitted call donates the loop state, so the caches are updated in place. Host work per
-step is one read (tokens, counters, the next step's page need, whether rows wait). Greedy output per request
+step is one read (tokens, counters, the next page need, the waiting rows). Greedy output per request
 equals `generate` run on that request alone: a slot's rows, pages and counters are its own, and
 the step masks the rest. A sampled request's token at output position n is its draw keyed by
 (its key, n): with Gumbel acceptance (the default) its tokens equal `generate` sampling it alone
@@ -33,8 +33,7 @@ A request that verifies no drafts (num_drafts=0, or "auto" admitted where drafts
 alone: `DraftPolicy.admits_drafting`) gets no module rows at all, from its prefill to its end;
 nor do "auto" ones once no drafting one's drafts pay (`DraftPolicy.keeps_drafting`).
 
-Its parts: admission.py (the queue, page reservations, chunked prefill), policy.py (the width),
-grammars.py (the grammar union), metrics.py (`Tally`, the counters), calibrate.py.
+Its parts: admission.py (queue, pages, chunked prefill), policy.py (width), grammars.py, metrics.py, calibrate.py.
 """
 
 from __future__ import annotations
@@ -119,7 +118,7 @@ class Engine:
     self._slots: list[int | None] = [None] * self.max_batch
     self._admission = Admission(num_pages, max_waiting, prefill_chunk)
     self._next_span = None  # the page span the next call needs, read with the last call's outputs
-    self._rows_waiting = False  # whether some slot holds deferred rows, read with them too
+    self._waiting = (0, 0)  # (most rows a slot keeps waiting, narrowest width they waited at), read with them too
     self._ids = itertools.count()
     self.requests: dict[int, Request] = {}  # every request's record until `forget` drops an ended one
     self.tally = Tally(self.max_drafts)  # metrics() counters, kept as requests end
@@ -288,11 +287,14 @@ class Engine:
     # No running request drafts: the step carries the proposer's state through untouched (its
     # bookkeeping cost 7% of the steps of 8 slots that run no module).
     idle = self.proposer is not None and not any(r.num_drafts != 0 and r.drafting for r in running)
-    waiting = self._rows_waiting or defers(k, self.max_drafts)  # else the step skips the catch-up check
+    # Whether a slot may have to catch up in the call (`StepSettings.may_catch_up`), from the last read.
+    (rows, narrowest), deferring = self._waiting, defers(k, self.max_drafts)
+    check = rows > 0 and (not deferring or narrowest < k) or (
+        deferring and rows + self.steps_per_call * (k + 1) > self._base.settings.deferred_rows)
     st = self._step.settings
-    if (k, idle, waiting) != (st.verify_width, st.modules_idle, st.rows_waiting):
+    if (k, idle, check) != (st.verify_width, st.modules_idle, st.may_catch_up):
       self._step = self._step.replace(verify_drafts=None if k == self.max_drafts else k, modules_idle=idle,
-                                      rows_waiting=waiting)
+                                      may_catch_up=check)
       self._next_span = None  # read for the old width's rows
 
   def _expire(self, now: float) -> None:
@@ -405,8 +407,9 @@ class Engine:
         (s.num_out, s.out, s.done, s.out_of_pages, s.counts.verify_calls, s.counts.drafts_verified, s.counts.accepted,
          jnp.stack([s.counts.accepted_at, s.counts.proposed_at]),
          jit_span_needed(self._base, s, self._step.rows_next(s) * self.steps_per_call),
-         None if s.deferred is None else s.deferred.n))
-    self._next_span, self._rows_waiting = int(self._next_span), waiting is not None and bool(waiting.any())
+         None if s.deferred is None else (s.deferred.n, s.deferred.width)))
+    n, w = waiting or (np.zeros(1, np.int32),) * 2
+    self._next_span, self._waiting = int(self._next_span), (int(n.max()), int(min(w[n > 0], default=0)))
     new_accepted_at, new_proposed_at = read_at.astype(np.int64) - self._read_at
     self._read_at = read_at.astype(np.int64)
     self.tally.accepted_at += new_accepted_at

@@ -85,13 +85,16 @@ class StepSettings:
   2k < num_drafts (`step.defers`) runs modules 0..k-1 only (none at 0) and keeps its verified
   rows (`LoopState.deferred`); the deeper modules catch up on the kept rows in one call when a
   wider step needs them or the next rows would not fit in W. 0: every step hands every module
-  its rows. rows_waiting (with deferred_rows): some slot may hold waiting rows, so a step that
-  does not defer first checks for them (a `lax.cond` whose catch-up branch the program carries);
-  False: none does (the Engine reads the counts after each call), so such a step runs the chain
-  as one without deferred rows does (3% of the fixed k = K engine's time on the large demo at 8
-  slots went to that check). modules_idle: no slot the step runs drafts (the Engine's calls where every running
-  request verifies no drafts): it verifies none and runs no module (the proposer's state and any
-  waiting rows pass through as they came); needs verify_drafts=0.
+  its rows. may_catch_up (with deferred_rows): some slot may have to catch up during the call (a
+  step that does not defer: rows wait; one that defers: rows that began to wait at a narrower
+  width, or more than W rows), so each step checks (a `lax.cond` whose catch-up branch the
+  program carries); False: the Engine ruled it out from the counts it reads after each call
+  (`Deferred.n`, `Deferred.width`), so the step does not check: one that does not defer runs the
+  chain as one without deferred rows does (3% of the fixed k = K engine's time on the large demo
+  at 8 slots went to that check), one that defers keeps its rows. modules_idle: no slot the step
+  runs drafts (the Engine's calls where every running request verifies no drafts): it verifies
+  none and runs no module (the proposer's state and any waiting rows pass through as they came);
+  needs verify_drafts=0.
   """
 
   num_drafts: int
@@ -106,7 +109,7 @@ class StepSettings:
   paging: Paging | None = None
   verify_drafts: int | None = None
   deferred_rows: int = 0
-  rows_waiting: bool = True
+  may_catch_up: bool = True
   modules_idle: bool = False
 
   def __post_init__(self):

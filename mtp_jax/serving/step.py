@@ -337,11 +337,11 @@ class DecodeStep:
       return self.drafter.draft(proposer, grammar, pstate, hid, tokens, num_new, s2.grammar_state, s2.slots,
                                 s2.num_out, read, lagging)
     deferred = s.deferred
-    if deferred is None or not (st.rows_waiting or defers(k, self.drafter.num_drafts)):
+    if deferred is None or not (st.may_catch_up or defers(k, self.drafter.num_drafts)):
       drafts, tree_probs, pstate = _draft_unless_idle(draft, pstate, hid, new_BxK1, num_new)
     else:
       drafts, tree_probs, pstate, deferred = _draft_deferring(draft, k, self.drafter.num_drafts, pstate, deferred,
-                                                              hid, new_BxK1, num_new)
+                                                              hid, new_BxK1, num_new, st.may_catch_up)
     tree_probs = None if s.tree_probs is None else tree_probs  # kept for rejection sampling only
     return self._stop_out_of_pages(s2.set(proposer=pstate, drafts=drafts, tree_probs=tree_probs, deferred=deferred))
 
@@ -396,7 +396,8 @@ def defers(k: int, full: int) -> bool:
   return 2 * k < full
 
 
-def _draft_deferring(draft, k: int, full: int, pstate, deferred: Deferred, hid, tokens, num_new_B):
+def _draft_deferring(draft, k: int, full: int, pstate, deferred: Deferred, hid, tokens, num_new_B,
+                     may_catch_up: bool = True):
   """(drafts, draft distributions or None, new proposer state, new `Deferred`) of a step at width
   k of at most `full` drafts that may defer the modules past k (`defers`; draft(..., lagging=True)
   runs k).
@@ -404,7 +405,9 @@ def _draft_deferring(draft, k: int, full: int, pstate, deferred: Deferred, hid, 
   A step that does not defer, or one whose width a waiting slot's modules lag behind, or whose
   rows would not fit, first puts each waiting slot's proposer back as its wait began and runs the
   chain over the kept rows and its own (every module current after it); any other step runs
-  modules 0..k-1 over its rows (none at k = 0) and keeps them for the deeper ones."""
+  modules 0..k-1 over its rows (none at k = 0) and keeps them for the deeper ones. may_catch_up
+  False (a deferring step the host knows needs no catch-up: `StepSettings.may_catch_up`): the
+  step keeps its rows without checking."""
   def catch_up():
     drafts, probs, p = draft(deferred.restored(pstate), *deferred.joined(hid, tokens, num_new_B))
     return drafts, probs, p, deferred.emptied()
@@ -419,7 +422,7 @@ def _draft_deferring(draft, k: int, full: int, pstate, deferred: Deferred, hid, 
       return *_no_drafts(draft, pstate, hid, tokens, num_new_B)[:2], pstate, kept
     return *draft(pstate, hid, tokens, num_new_B, lagging=True), kept
 
-  return jax.lax.cond(deferred.lags(k, num_new_B), catch_up, wait)
+  return jax.lax.cond(deferred.lags(k, num_new_B), catch_up, wait) if may_catch_up else wait()
 
 
 def _draft_unless_idle(draft, pstate, hid, tokens, num_new_B):
