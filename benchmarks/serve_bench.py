@@ -26,7 +26,8 @@ speed between rounds falls on both alike, where two medians may come from differ
 best fixed width of a row is the one with the best median. Before the "auto" rows, the stream
 also runs once at each fixed k = 0..K, which compiles most steps "auto" may pick. The counts of
 outputs equal to generate's are printed.
-Run: python benchmarks/serve_bench.py [--quick] [--json PATH] [--models both|trained|random] [--parts both|1|2].
+Run: python benchmarks/serve_bench.py [--quick] [--json PATH] [--models both|trained|random] [--parts both|1|2]
+[--batches N ...].
 """
 
 from __future__ import annotations
@@ -222,9 +223,10 @@ def main(argv=None) -> None:
                   help="the models whose tables run (default both)")
   ap.add_argument("--parts", choices=("both", "1", "2"), default="both",
                   help="part 1 (the Engine against generate), part 2 (tokens/s against max_batch) or both")
+  ap.add_argument("--batches", type=int, nargs="+", default=None, help="part 2's max_batch values (default 1 2 4 8)")
   args = ap.parse_args(argv)
   quick = args.quick
-  opts = QUICK if quick else FULL
+  opts = dict(QUICK if quick else FULL, **({} if args.batches is None else dict(batches=tuple(args.batches))))
   name = "small" if quick else demo_models.default_demo()
   target, proposer, _ = demo_models.load_demo(name=name)
   k = proposer.cfg.num_modules

@@ -297,6 +297,8 @@ def test_module_work_follows_the_width_and_drafts_stay_exact(deferred_rows, seed
   # and the steps then do not check (the drafts above equal the reference's all the same).
   assert {(c, w >= 2) for c, w in zip(checked, widths) if w} >= {(True, True), (False, True), (False, False)}
   assert 0 < max(waiting) <= deferred_rows
+  # Every catch-up is counted on device, and its call's time is charged to a width that waited.
+  assert int(engine._s.deferred.catch_ups) > 0 and set(engine.policy.catch_up_seconds) <= {(0, 4), (1, 4)}
   # Rows wait while drafts are made: the deeper modules lag behind steps at width 1, never
   # after one at width 2 (2k >= K: it runs them).
   assert any(w == 1 and n > 0 for w, n in zip(widths, waiting))

@@ -18,14 +18,17 @@ def test_calibrate_times_every_width_and_bucket_before_traffic():
   """calibrate() fills the cost model at every (width, bucket) with 2 timed calls and leaves the
   engine as it found it: no request, page or metric of its synthetic requests is left, the
   acceptance counts are untouched, and a request then runs exactly."""
-  engine = Engine(TARGET5, PROPOSER5, max_batch=2, max_len=64, page_size=2, num_pages=40)
+  engine = Engine(TARGET5, PROPOSER5, max_batch=2, max_len=64, page_size=2, num_pages=64)
   policy = engine.calibrate(calls=2)
   assert all(len(policy.seconds[k, b]) >= 2 for k in range(K + 1) for b in (1, 2))
+  # K = 3: width 1 leaves modules 1 and 2 behind, and ran until one of their catch-ups (past 32
+  # rows waiting: the requests' 44 new tokens fill them) was charged to it.
+  assert all((1, b) in policy.catch_up_seconds for b in (1, 2))
   assert policy.proposed_at.sum() == 0
   m = engine.metrics()
   assert (m["requests_recorded"], m["requests_cancelled_total"], m["steps_total"], m["drafts_proposed_total"]) == (
       0, 0, 0, 0)
-  assert engine.free_pages() == 40
+  assert engine.free_pages() == 64
   # num_drafts=K: whether an "auto" request drafts follows the measured times (`admits_drafting`).
   rid = engine.add_request([1, 2, 3], 20, num_drafts=K)
   assert engine.run()[rid] == _alone((1, 2, 3))[:20]
@@ -136,6 +139,29 @@ def test_requests_weigh_by_their_own_acceptance():
   assert policy.choose(4, [1.0] * 4) == policy.choose(4) > 0
   assert policy.choose(4, [rejected] * 4) == 0
   assert policy.choose(4, [rejected] * 3 + [1.0]) < policy.choose(4)
+
+
+def test_a_catch_up_is_charged_to_the_width_whose_rows_waited():
+  """A call that caught up (`record(..., catch_up_of=j)`) is no sample of its own width: its time
+  past its steps at that width's median goes to width j at that bucket, spread over every step j
+  ran there, so a deferring width that looked cheapest stops winning once its catch-ups count."""
+  policy = DraftPolicy(3)
+  for k, seconds in [(3, 0.040), (2, 0.040), (1, 0.020), (0, 0.020)]:
+    policy.record(k, 4, seconds, steps=4)  # 10 ms a step at k >= 2, 5 ms at k <= 1
+  policy.observe([90, 80, 70], [100] * 3)
+  assert policy.choose(4) == 1
+  policy.record(1, 4, 0.020, steps=4)  # 8 steps at k = 1, all told
+  policy.record(1, 4, 0.040, steps=4, catch_up_of=1)  # its rows filled: 20 ms past 4 steps at 5
+  policy.record(3, 4, 0.060, steps=4, catch_up_of=1)  # widened: 20 ms past 4 steps at 10, for k = 1's rows
+  assert list(policy.seconds[1, 4]) == [(0.020, 4)] * 2 and list(policy.seconds[3, 4]) == [(0.040, 4)]
+  assert policy.step_seconds(1, 4) == pytest.approx(0.005 + 0.040 / 12)  # 40 ms over 12 steps at k = 1
+  assert policy.step_seconds(3, 4) == pytest.approx(0.010)
+  assert policy.choose(4) == 3
+  again = DraftPolicy.from_json(policy.to_json())
+  assert again.step_seconds(1, 4) == policy.step_seconds(1, 4) and again.choose(4) == 3
+  fresh = DraftPolicy(3)
+  fresh.record(2, 4, 0.05, steps=4, catch_up_of=0)  # k = 2 not timed here yet: nothing to charge from
+  assert not fresh.seconds and not fresh.catch_up_seconds
 
 
 def test_a_measured_policy_round_trips_through_json_and_starts_a_served_engine(tmp_path):

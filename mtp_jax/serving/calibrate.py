@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from mtp_jax import validate
 from mtp_jax.serving.policy import DraftPolicy
+from mtp_jax.serving.step import defers
 
 if TYPE_CHECKING:
   from mtp_jax.serving.engine import Engine
@@ -16,7 +17,9 @@ if TYPE_CHECKING:
 def calibrate(engine: Engine, *, calls: int = 3, prompt_len: int = 16) -> DraftPolicy:
   """At every batch bucket (1, 2, 4, .. max_batch running requests) and every width k = K..0,
   runs synthetic requests (prompt_len tokens, num_drafts=k) on `engine` until `calls` decode calls
-  that built no program were timed into its policy. The acceptance counts and the engine's
+  that built no program were timed into its policy, and, at a width that leaves the deeper
+  modules' rows waiting (0 < k, 2k < K), until one catch-up was charged to it (`DraftPolicy.record`):
+  its time per step includes its catch-ups from the start. The acceptance counts and the engine's
   metrics are left as they were (synthetic prompts say nothing about real ones). Needs an "auto"
   engine with nothing running or waiting; returns its `DraftPolicy`."""
   calls = validate.positive_int("calls", calls)
@@ -29,7 +32,7 @@ def calibrate(engine: Engine, *, calls: int = 3, prompt_len: int = 16) -> DraftP
   rows = engine.defaults.rows_per_step
   prompt_len = validate.integer("prompt_len", prompt_len, 1, engine.max_len - rows - 1)
   prompt = [i % engine.target.cfg.vocab_size for i in range(prompt_len)]
-  new = (calls + 2) * cfg.steps_per_call * rows
+  new = (calls + 2) * cfg.steps_per_call * rows + cfg.deferred_rows  # rows enough to fill the waiting ones
   acceptance = policy.accepted_at.copy(), policy.proposed_at.copy()
   tally = engine.tally.copy()
   buckets = [1 << i for i in range(engine.max_batch.bit_length()) if 1 << i <= engine.max_batch]
@@ -42,8 +45,10 @@ def calibrate(engine: Engine, *, calls: int = 3, prompt_len: int = 16) -> DraftP
     for k in range(engine.max_drafts, -1, -1):
       key = (k, DraftPolicy.bucket(bucket))
       ids = [engine.add_request(prompt, min(new, fits), num_drafts=k) for _ in range(bucket)]
-      before = len(policy.seconds.get(key, ()))
-      while (engine.num_running or engine.num_waiting) and len(policy.seconds.get(key, ())) < before + calls:
+      before, charged = len(policy.seconds.get(key, ())), policy.catch_up_seconds.get(key)
+      waits = 0 < k and defers(k, engine.max_drafts) and cfg.deferred_rows > 0
+      while (engine.num_running or engine.num_waiting) and (len(policy.seconds.get(key, ())) < before + calls or
+                                                            waits and policy.catch_up_seconds.get(key) == charged):
         engine.step()
       for rid in ids:
         engine.cancel(rid)

@@ -23,15 +23,12 @@ with proposer None and the same seed, whatever num_drafts ("auto" included), tre
 admission step; with acceptance="rejection" they follow its draft counts (their distribution
 does not).
 
-Speculation adapts (`num_drafts="auto"`, `DraftPolicy`): before each call the engine picks how
-many drafts the target verifies from the running requests' count, the measured acceptance per
-draft position and the measured time of a step at each width; at a narrow width (2k < K) only
-that many modules run: the deeper ones' rows wait (`deferred_rows`) and they catch up on them in
-one call when a wider step needs them, so any width may follow any other (at width 0 no module
-runs); at a wider one the deeper modules run over each step's rows.
-A request that verifies no drafts (num_drafts=0, or "auto" admitted where drafts do not pay even
-alone: `DraftPolicy.admits_drafting`) gets no module rows at all, from its prefill to its end;
-nor do "auto" ones once no drafting one's drafts pay (`DraftPolicy.keeps_drafting`).
+Speculation adapts (`num_drafts="auto"`, `DraftPolicy`): each call's width follows the running
+count, the measured acceptance per position and the measured step time of each width; at a narrow
+width (2k < K) only k modules run: the deeper ones' rows wait (`deferred_rows`) and catch up in one
+call when a wider step needs them (its time charged to the width that waited). A request that
+verifies no drafts (num_drafts=0, "auto" admitted where drafts do not pay even alone:
+`DraftPolicy.admits_drafting`, or stopped by `DraftPolicy.keeps_drafting`) gets no module rows.
 
 Its parts: admission.py (queue, pages, chunked prefill), policy.py (width), grammars.py, metrics.py, calibrate.py.
 """
@@ -118,7 +115,8 @@ class Engine:
     self._slots: list[int | None] = [None] * self.max_batch
     self._admission = Admission(num_pages, max_waiting, prefill_chunk)
     self._next_span = None  # the page span the next call needs, read with the last call's outputs
-    self._waiting = (0, 0)  # (most rows a slot keeps waiting, narrowest width they waited at), read with them too
+    # (most rows a slot keeps waiting, narrowest width they waited at), catch-ups run: read with them too
+    self._waiting, self._catch_ups = (0, 0), 0
     self._ids = itertools.count()
     self.requests: dict[int, Request] = {}  # every request's record until `forget` drops an ended one
     self.tally = Tally(self.max_drafts)  # metrics() counters, kept as requests end
@@ -249,10 +247,12 @@ class Engine:
     idx_A = self._slot_group(decoding)
     self._s = jit_run_for(step, self.target, self.proposer, self._grammars.union, self._s, np.int32(n),
                           None if len(idx_A) == len(self._slots) else idx_A, self._read)
+    (rows, narrowest), catch_ups = self._waiting, self._catch_ups
     gained, steps = self._collect()
-    now = time.perf_counter()
+    now, k = time.perf_counter(), step.settings.verify_width
     if self.policy is not None and steps and programs_built() == traces:  # else it built a program
-      self.policy.record(step.settings.verify_width, running, now - t1, steps)
+      of = None if self._catch_ups == catch_ups else min(k, narrowest) if rows else k  # whose rows caught up
+      self.policy.record(k, running, now - t1, steps, of)
     self.tally.calls += 1
     self.tally.call_seconds += now - t0
     return gained
@@ -300,9 +300,8 @@ class Engine:
   def _expire(self, now: float) -> None:
     # Only live requests: the finished ones stay in `requests` and would make every step O(all ever).
     live = [*self._admission.waiting, *(rid for rid in self._slots if rid is not None)]
-    late = [rid for rid in live if (r := self.requests[rid]).deadline_s is not None and
-            now - r.arrived_at > r.deadline_s]
-    for rid in late:
+    for rid in [rid for rid in live if (r := self.requests[rid]).deadline_s is not None and
+                now - r.arrived_at > r.deadline_s]:
       self._stop(rid, "timed_out")
 
   def stream(self) -> Iterator[tuple[int, list[int]]]:
@@ -407,9 +406,10 @@ class Engine:
         (s.num_out, s.out, s.done, s.out_of_pages, s.counts.verify_calls, s.counts.drafts_verified, s.counts.accepted,
          jnp.stack([s.counts.accepted_at, s.counts.proposed_at]),
          jit_span_needed(self._base, s, self._step.rows_next(s) * self.steps_per_call),
-         None if s.deferred is None else (s.deferred.n, s.deferred.width)))
-    n, w = waiting or (np.zeros(1, np.int32),) * 2
-    self._next_span, self._waiting = int(self._next_span), (int(n.max()), int(min(w[n > 0], default=0)))
+         None if s.deferred is None else (s.deferred.n, s.deferred.width, s.deferred.catch_ups)))
+    n, w, c = waiting or (np.zeros(1, np.int32),) * 3
+    self._next_span, self._catch_ups = int(self._next_span), int(c.max())
+    self._waiting = (int(n.max()), int(min(w[n > 0], default=0)))
     new_accepted_at, new_proposed_at = read_at.astype(np.int64) - self._read_at
     self._read_at = read_at.astype(np.int64)
     self.tally.accepted_at += new_accepted_at

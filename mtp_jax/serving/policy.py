@@ -52,8 +52,9 @@ class DraftPolicy:
   tenth of the best (call times here move by that much, so such widths are ranked by noise until
   timed again), and every RETIME_EVERY-th the width timed longest ago among those within
   RETIME_WITHIN of the best, so one slow sample cannot bar a width for good; a width's time is the
-  median of its recent calls (`step_seconds`). A call during which JAX built a program (traced,
-  then compiled or read it from a cache) is not a sample. So a step drafts like k = K where drafts
+  median of its recent calls plus the catch-ups it caused, spread over its steps (`step_seconds`).
+  A call during which JAX built a program (traced, then compiled or read it from a cache) is not a
+  sample. So a step drafts like k = K where drafts
   pay (few requests, high acceptance) and less, down to 0, where the wider target forward costs
   more than the tokens it wins (many requests, low acceptance). Both measurements belong to the
   models, batch size and machine, not to one engine: an engine built again can start from them
@@ -77,6 +78,8 @@ class DraftPolicy:
   probe_due: bool = False  # a probe request was admitted: the next call at k = 0 runs k = 1
   recorded: int = 0  # samples recorded so far (the clock of timed_at)
   timed_at: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> `recorded` at its latest sample
+  steps_at: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> steps run there, all told
+  catch_up_seconds: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> catch-up time charged to it
 
   def __post_init__(self):
     self.accepted_at = np.zeros((self.max_drafts,), np.int64) if self.accepted_at is None else self.accepted_at
@@ -206,7 +209,13 @@ class DraftPolicy:
   def step_seconds(self, k: int, bucket: int) -> float:
     """Seconds per decode step at width k and batch bucket: the median of the recent calls' seconds
     per step, each call weighing its steps (a call cut short after one step weighs one step, and
-    one slow call, such as a catch-up of rows a narrower width left, does not move it)."""
+    one slow call does not move it), plus the catch-ups charged to k there (`record`) over all the
+    steps k ran there: a width that leaves the deeper modules' rows waiting pays for their
+    catch-up, whichever call runs it."""
+    charged = self.catch_up_seconds.get((k, bucket), 0.0)
+    return self._median(k, bucket) + charged / max(1, self.steps_at.get((k, bucket), 0))
+
+  def _median(self, k: int, bucket: int) -> float:
     per_step = sorted((s / n, n) for s, n in self.seconds[(k, bucket)])
     steps = np.cumsum([n for _, n in per_step])
     return per_step[int(np.searchsorted(steps, steps[-1] / 2))][0]
@@ -215,8 +224,9 @@ class DraftPolicy:
     """The measurements as JSON (`from_json` reads them back): a policy measured once on a machine
     (`Engine.calibrate`) serves later engines on the same models and machine."""
     seconds = [[k, b, [list(x) for x in samples]] for (k, b), samples in sorted(self.seconds.items())]
+    steps = [[k, b, n, self.catch_up_seconds.get((k, b), 0.0)] for (k, b), n in sorted(self.steps_at.items())]
     return json.dumps(dict(max_drafts=self.max_drafts, seconds=seconds, accepted_at=self.accepted_at.tolist(),
-                           proposed_at=self.proposed_at.tolist()))
+                           proposed_at=self.proposed_at.tolist(), steps_at=steps))
 
   @classmethod
   def from_json(cls, text: str) -> "DraftPolicy":
@@ -228,6 +238,8 @@ class DraftPolicy:
       for k, b, samples in d["seconds"]:
         for seconds, steps in samples:
           policy.seconds.setdefault((int(k), int(b)), collections.deque(maxlen=16)).append((float(seconds), int(steps)))
+      for k, b, steps, charged in d.get("steps_at", []):  # absent from files written before catch-ups were charged
+        policy.steps_at[(int(k), int(b))], policy.catch_up_seconds[(int(k), int(b))] = int(steps), float(charged)
     except (ValueError, KeyError, TypeError) as e:
       raise ValueError(f"not a DraftPolicy's JSON: {e!r}") from e
     if policy.accepted_at.shape != (policy.max_drafts,) or policy.proposed_at.shape != (policy.max_drafts,):
@@ -235,9 +247,21 @@ class DraftPolicy:
                        "counts each")
     return policy
 
-  def record(self, k: int, num_running: int, seconds: float, steps: int = 1) -> None:
-    """One timing sample: a call of `steps` decode steps at width k with num_running requests took seconds."""
+  def record(self, k: int, num_running: int, seconds: float, steps: int = 1, catch_up_of: int | None = None) -> None:
+    """One timing sample: a call of `steps` decode steps at width k with num_running requests took
+    seconds. catch_up_of: the narrowest width whose waiting rows the call's modules caught up on
+    (None: it ran no catch-up). Such a call is no sample of k: its time past `steps` steps at k
+    (`step_seconds`) is charged to width catch_up_of at this bucket, where it adds that charge
+    over the steps it ran there to its time per step (a width that defers pays its catch-ups, the
+    wider width a catch-up falls in does not; with k not timed here yet, the call is dropped)."""
     key = (k, self.bucket(num_running))
+    self.steps_at[key] = self.steps_at.get(key, 0) + steps
+    if catch_up_of is not None:
+      if self.seconds.get(key):
+        charged = (catch_up_of, key[1])
+        extra = max(0.0, seconds - steps * self._median(*key))
+        self.catch_up_seconds[charged] = self.catch_up_seconds.get(charged, 0.0) + extra
+      return
     self.seconds.setdefault(key, collections.deque(maxlen=16)).append((seconds, steps))
     self.recorded += 1
     self.timed_at[key] = self.recorded

@@ -124,7 +124,8 @@ class Deferred:
   token after each; n int32[B]: rows kept per slot; width int32[B]: the narrowest width a step
   ran since the slot's rows began to wait (modules width..K-1 lag; meaningless where n = 0);
   lengths int32[K, B], num_pos int32[B], tail (K - 1) x dtype[B, K, D]: the proposer's as the
-  wait began (`ProposerState`'s fields of those names).
+  wait began (`ProposerState`'s fields of those names); catch_ups int32[]: catch-ups run so far
+  (the host reads whether a call ran one, and charges its time to the width that waited).
   """
 
   hid: jax.Array = axes("batch", None, "embed")
@@ -134,6 +135,7 @@ class Deferred:
   lengths: jax.Array = axes(None, "batch")
   num_pos: jax.Array = axes("batch")
   tail: tuple[jax.Array, ...] = axes("batch", None, "embed")
+  catch_ups: jax.Array = axes()
 
   @classmethod
   def zeros(cls, rows: int, hidden_size: int, dtype, proposer: prop.ProposerState) -> "Deferred":
@@ -141,7 +143,7 @@ class Deferred:
     b = proposer.batch_size
     return cls(jnp.zeros((b, rows, hidden_size), dtype), jnp.zeros((b, rows), jnp.int32), jnp.zeros((b,), jnp.int32),
                jnp.zeros((b,), jnp.int32), jnp.zeros_like(proposer.lengths), jnp.zeros_like(proposer.num_pos),
-               tuple(jnp.zeros_like(t) for t in proposer.tail))
+               tuple(jnp.zeros_like(t) for t in proposer.tail), jnp.zeros((), jnp.int32))
 
   def lags(self, width: int, num_new_B) -> jax.Array:
     """bool[]: a step at this width must first catch up: a waiting slot's modules below it lag,
@@ -192,6 +194,10 @@ class Deferred:
         jnp.take_along_axis(kept, idx_kept.reshape(idx_kept.shape + (1,) * (kept.ndim - 2)), axis=1))
     return (pick(hid_BxTxD.astype(self.hid.dtype), self.hid, at_new, at_kept), pick(tok_BxT, self.tok, at_new, at_kept),
             self.n + num_new_B)
+
+  def caught_up(self) -> "Deferred":
+    """No rows kept in any slot, after a catch-up consumed them all (one more counted)."""
+    return dataclasses.replace(self.emptied(), catch_ups=self.catch_ups + 1)
 
   def emptied(self, mask_B=None) -> "Deferred":
     """No rows kept in the slots where mask_B (bool[B]; every slot when None)."""

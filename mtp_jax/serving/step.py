@@ -410,7 +410,7 @@ def _draft_deferring(draft, k: int, full: int, pstate, deferred: Deferred, hid, 
   step keeps its rows without checking."""
   def catch_up():
     drafts, probs, p = draft(deferred.restored(pstate), *deferred.joined(hid, tokens, num_new_B))
-    return drafts, probs, p, deferred.emptied()
+    return drafts, probs, p, deferred.caught_up()
 
   if not defers(k, full):
     return jax.lax.cond(jnp.any(deferred.n > 0), catch_up,
