@@ -80,7 +80,13 @@ def test_draft_policy_tries_each_width_then_picks_the_most_tokens_per_second():
   one.observe([4], [12])  # rate (4 + 4) / 16 = 0.5: k=1 1.5 / 0.02 = 75, k=0 1 / 0.0105 = 95: far
   assert [one.choose(1) for _ in range(4)] == [0, 0, 0, 0]
   one.record(1, 1, 0.014)  # k=1 1.5 / 0.014 = 107 now beats k=0: 95
-  assert [one.choose(1) for _ in range(4)] == [1, 1, 1, 0]  # the 8th call times the runner-up, k=0, again
+  # k = 0 defers (its rows would wait, and the next call at 1 catch up on them): it takes no turns.
+  assert [one.choose(1) for _ in range(4)] == [1, 1, 1, 1]
+  three = DraftPolicy(3)
+  for k, seconds in ((3, 0.0215), (2, 0.02), (1, 1.0), (0, 1.0)):
+    three.record(k, 1, seconds)
+  three.observe([4, 4, 0], [12, 12, 12])  # rates 0.5, 0.3125, 0.049: k=2 1.81 / 0.02 = 91, k=3 1.86 / 0.0215 = 87
+  assert [three.choose(1) for _ in range(4)] == [2, 2, 2, 3]  # the 4th call times the runner-up, k=3, again
   # Every RETIME_EVERY-th call at a bucket (offset by half) times again the width timed longest
   # ago among those within RETIME_WITHIN of the best: k = 2 here, timed once on a slow call.
   policy = DraftPolicy(2)

@@ -12,6 +12,8 @@ import typing
 import jax
 import numpy as np
 
+from mtp_jax.serving.step import defers
+
 # JAX traces a jitted function each time it builds a program for it (then compiles it, or reads it
 # from the compilation cache): a call during which this fired spent time building, so its time is
 # not a sample of the step's. Counted for the whole process, so a program another engine built is
@@ -51,7 +53,8 @@ class DraftPolicy:
   more (`keeps_drafting`). Every 4th call at a bucket runs the runner-up instead when it is within a
   tenth of the best (call times here move by that much, so such widths are ranked by noise until
   timed again), and every RETIME_EVERY-th the width timed longest ago among those within
-  RETIME_WITHIN of the best, so one slow sample cannot bar a width for good; a width's time is the
+  RETIME_WITHIN of the best, so one slow sample cannot bar a width for good (both only where
+  neither width defers the deeper modules: such a turn would cost a catch-up); a width's time is the
   median of its recent calls plus the catch-ups it caused, spread over its steps (`step_seconds`).
   A call during which JAX built a program (traced, then compiled or read it from a cache) is not a
   sample. So a step drafts like k = K where drafts
@@ -102,17 +105,21 @@ class DraftPolicy:
     if best == 0 and self.max_drafts and (self.probe_due or self.choices[b] % self.PROBE_EVERY == 0):
       self.probe_due = False
       return 1
+    # A call at another width and back costs a catch-up of the waiting rows where either width
+    # defers (`defers`: one call at width 1 between calls at 3 cost 4 slots of the trained demo a
+    # catch-up each time), so only widths that run every module take such turns.
+    turns = [k for k in gain if k != best and not defers(k, self.max_drafts) and not defers(best, self.max_drafts)]
     if self.choices[b] % 4 == 0:
       # A call's time moves by a tenth here, so widths within a tenth of the best are ranked by
       # noise: every 4th call times the nearest of them again rather than trusting old samples.
-      close = [k for k in gain if k != best and gain[k] >= 0.9 * gain[best]]
+      close = [k for k in turns if gain[k] >= 0.9 * gain[best]]
       if close:
         return max(close, key=gain.get)
     if best > 0 and self.choices[b] % self.RETIME_EVERY == self.RETIME_EVERY // 2:
-      # A width timed once on a slow call (a catch-up, a cold cache) would never run again, so
-      # every RETIME_EVERY-th call runs the one whose latest sample here is oldest, within
-      # RETIME_WITHIN (while k = 0 wins, the probes above time k = 1 instead).
-      stale = [k for k in gain if k != best and gain[k] >= self.RETIME_WITHIN * gain[best]]
+      # A width timed once on a slow call (a cold cache) would never run again, so every
+      # RETIME_EVERY-th call runs the one whose latest sample here is oldest, within RETIME_WITHIN
+      # (while k = 0 wins, the probes above time k = 1 instead).
+      stale = [k for k in turns if gain[k] >= self.RETIME_WITHIN * gain[best]]
       if stale:
         return min(stale, key=lambda k: self.timed_at.get((k, b), -1))
     return best
