@@ -240,7 +240,7 @@ class _ScriptedWidths(DraftPolicy):
     super().__init__(K)
     self.widths = iter(widths)
 
-  def choose(self, num_running, scales=None):
+  def choose(self, num_running, scales=None, probing=False):
     return next(self.widths, K)
 
   def drafts_pay(self, scale=1.0):  # every request drafts, admitted or running

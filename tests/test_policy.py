@@ -193,7 +193,8 @@ def test_a_measured_policy_round_trips_through_json_and_starts_a_served_engine(t
 def test_requests_admitted_where_drafts_do_not_pay_run_no_module():
   """Once drafts do not pay even for a request alone (all rejected), an "auto" request is admitted
   without drafting: its modules get no rows (no prefill, no catch-up) and its output is exact,
-  greedy or seeded; every PROBE_REQUEST_EVERY-th such admission drafts, so acceptance is still measured."""
+  greedy or seeded; every PROBE_REQUEST_EVERY-th such admission drafts, so acceptance is still
+  measured, and is verified at width 1 until it has measured its drafts."""
   policy = DraftPolicy(K)
   assert policy.drafts_pay()  # nothing timed yet
   for b in (1, 2):
@@ -219,7 +220,13 @@ def test_requests_admitted_where_drafts_do_not_pay_run_no_module():
   policy.declined = DraftPolicy.PROBE_REQUEST_EVERY - 1
   probe = engine.add_request([3, 1, 2], 16)
   engine.step()
-  assert engine.requests[probe].drafting and int(engine._s.proposer.num_pos.max()) > 0
+  assert engine.requests[probe].probe and engine.requests[probe].drafting and int(engine._s.proposer.num_pos.max()) > 0
+  # While the probe measures its drafts, every call verifies one, though k = 0 wins here.
+  widths = [engine._step.settings.verify_width]
+  while engine.num_running and policy.measuring(engine.requests[probe].drafts_verified):
+    engine.step()
+    widths.append(engine._step.settings.verify_width)
+  assert len(widths) > 2 and set(widths) == {1}
   assert engine.run()[probe] == _alone((3, 1, 2))[:16]
   assert engine.requests[probe].drafts_verified > 0
 

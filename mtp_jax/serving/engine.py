@@ -283,7 +283,8 @@ class Engine:
       # A request that does not draft adds its one token a step whatever the width.
       scales = [self.policy.request_scale(r.drafts_accepted, r.drafts_verified) if r.drafting else 0.0
                 for r in running]
-      k = max(k, self.policy.choose(len(running), scales))
+      probing = any(r.probe and r.drafting and self.policy.measuring(r.drafts_verified) for r in running)
+      k = max(k, self.policy.choose(len(running), scales, probing))
     # No running request drafts: the step carries the proposer's state through untouched (its
     # bookkeeping cost 7% of the steps of 8 slots that run no module).
     idle = self.proposer is not None and not any(r.num_drafts != 0 and r.drafting for r in running)
@@ -320,8 +321,8 @@ class Engine:
                                                   self.requests)
     for req in admitted:
       self._slots[req.slot] = req.id
-      if req.num_drafts == "auto":
-        req.drafting = self.policy.admits_drafting()
+      if req.num_drafts == "auto":  # (the policy answers the admission, then says whether it was a probe)
+        req.drafting, req.probe = self.policy.admits_drafting(), self.policy.probe_admitted
     if part is not None:
       self._prefill_part(part)
     if whole:
@@ -445,6 +446,5 @@ class Engine:
     mask_B[slots] = True
     self._s = jit_free(self._base, self._s, mask_B)
     for slot in slots:
-      req = self.requests[self._slots[slot]]
-      self._admission.release(req)
+      self._admission.release(req := self.requests[self._slots[slot]])
       req.slot, self._slots[slot] = None, None

@@ -78,7 +78,7 @@ class DraftPolicy:
   proposed_at: np.ndarray | None = None  # int64[K]: steps whose draft i was verified
   choices: dict = dataclasses.field(default_factory=dict)  # bucket -> calls chosen by their measured gain
   declined: int = 0  # admissions `admits_drafting` declined
-  probe_due: bool = False  # a probe request was admitted: the next call at k = 0 runs k = 1
+  probe_admitted: bool = False  # the last admission `admits_drafting` answered was a probe request's
   recorded: int = 0  # samples recorded so far (the clock of timed_at)
   timed_at: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> `recorded` at its latest sample
   steps_at: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> steps run there, all told
@@ -92,9 +92,12 @@ class DraftPolicy:
   def bucket(num_running: int) -> int:
     return 1 << max(0, num_running - 1).bit_length()
 
-  def choose(self, num_running: int, scales: list[float] | None = None) -> int:
+  def choose(self, num_running: int, scales: list[float] | None = None, probing: bool = False) -> int:
     """The width of the next call with num_running requests; scales: the running requests' own
-    acceptance relative to the pooled one (`request_scale`; None: every request at 1)."""
+    acceptance relative to the pooled one (`request_scale`; None: every request at 1); probing: a
+    probe request (`admits_drafting`) runs and is still `measuring`: where k = 0 wins, the call
+    runs k = 1, so its drafts are verified within K x PRIOR_WEIGHT steps and it stops (or drafts
+    pay again) a few calls after its admission, not after a life of waiting rows and catch-ups."""
     b = self.bucket(num_running)
     untried = self._untried(b)
     if untried is not None:
@@ -102,8 +105,7 @@ class DraftPolicy:
     gain = self._gains(b, [1.0] * num_running if scales is None else scales)
     best = max(gain, key=gain.get)  # a tie: the narrowest
     self.choices[b] = self.choices.get(b, 0) + 1
-    if best == 0 and self.max_drafts and (self.probe_due or self.choices[b] % self.PROBE_EVERY == 0):
-      self.probe_due = False
+    if best == 0 and self.max_drafts and (probing or self.choices[b] % self.PROBE_EVERY == 0):
       return 1
     # A call at another width and back costs a catch-up of the waiting rows where either width
     # defers (`defers`: one call at width 1 between calls at 3 cost 4 slots of the trained demo a
@@ -141,21 +143,28 @@ class DraftPolicy:
     (all or none: a batched step computes every slot's draft rows); one that stops runs no module
     for the rest of its life (its modules cannot catch up without the target hiddens they missed),
     and a probe request (`admits_drafting`) stops once its first drafts say they still do not pay."""
-    if drafts_verified < self.PRIOR_WEIGHT * self.max_drafts:
+    if self.measuring(drafts_verified):
       return True
     return self.drafts_pay(self.request_scale(drafts_accepted, drafts_verified))
+
+  def measuring(self, drafts_verified: int) -> bool:
+    """Whether a request that verified drafts_verified drafts is still measuring its own acceptance
+    (fewer than PRIOR_WEIGHT per position: K x PRIOR_WEIGHT)."""
+    return drafts_verified < self.PRIOR_WEIGHT * self.max_drafts
 
   def admits_drafting(self) -> bool:
     """Whether a request admitted now drafts for its whole life: where drafts do not pay even for
     a request alone (`drafts_pay`: its acceptance has collapsed, not merely the batch grown),
     one runs no module at all (no prefill, no catch-up), except every PROBE_REQUEST_EVERY-th, admitted
-    drafting as a probe (and the next call where k = 0 wins runs k = 1 instead), so acceptance
-    is still measured and speculation comes back for later requests once drafts pay again."""
+    drafting as a probe (`probe_admitted`; while it is `measuring`, calls where k = 0 wins run
+    k = 1: `choose(probing=)`), so acceptance is still measured and speculation comes back for
+    later requests once drafts pay again."""
+    self.probe_admitted = False
     if self.drafts_pay():
       return True
     self.declined += 1
-    self.probe_due = self.declined % self.PROBE_REQUEST_EVERY == 0
-    return self.probe_due
+    self.probe_admitted = self.declined % self.PROBE_REQUEST_EVERY == 0
+    return self.probe_admitted
 
   def _untried(self, bucket: int) -> int | None:
     """A width the bucket has to try before widths can be compared there (None: none): the widest

@@ -47,6 +47,7 @@ class Request:
   # False: an "auto" request admitted where drafts do not pay (DraftPolicy.admits_drafting), or
   # stopped since, its own drafts not paying (DraftPolicy.keeps_drafting).
   drafting: bool = True
+  probe: bool = False  # admitted drafting as a probe where drafts did not pay (DraftPolicy.admits_drafting)
   verify_calls: int = 0
   drafts_verified: int = 0
   drafts_accepted: int = 0
