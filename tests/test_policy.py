@@ -73,7 +73,7 @@ def test_draft_policy_tries_each_width_then_picks_the_most_tokens_per_second():
   policy.record(0, 4, 0.015)
   assert policy.choose(3) == 1  # k=0 measured at 1 / 0.015; k=1 est. 0.02 x 0.016 / 0.032: 1.2 / 0.01
   assert (2, 4) not in policy.seconds and (1, 4) not in policy.seconds
-  # Every 4th call at a bucket times again a runner-up within a tenth of the best.
+  # Every TURN_EVERY-th call at a bucket times again a runner-up within TURN_WITHIN of the best.
   one = DraftPolicy(1)
   one.record(1, 1, 0.02)
   one.record(0, 1, 0.0105)
@@ -81,12 +81,13 @@ def test_draft_policy_tries_each_width_then_picks_the_most_tokens_per_second():
   assert [one.choose(1) for _ in range(4)] == [0, 0, 0, 0]
   one.record(1, 1, 0.014)  # k=1 1.5 / 0.014 = 107 now beats k=0: 95
   # k = 0 defers (its rows would wait, and the next call at 1 catch up on them): it takes no turns.
-  assert [one.choose(1) for _ in range(4)] == [1, 1, 1, 1]
+  assert [one.choose(1) for _ in range(8)] == [1] * 8
   three = DraftPolicy(3)
   for k, seconds in ((3, 0.0215), (2, 0.02), (1, 1.0), (0, 1.0)):
     three.record(k, 1, seconds)
   three.observe([4, 4, 0], [12, 12, 12])  # rates 0.5, 0.3125, 0.049: k=2 1.81 / 0.02 = 91, k=3 1.86 / 0.0215 = 87
-  assert [three.choose(1) for _ in range(4)] == [2, 2, 2, 3]  # the 4th call times the runner-up, k=3, again
+  assert DraftPolicy.TURN_EVERY == 8 and DraftPolicy.TURN_WITHIN < 87 / 91
+  assert [three.choose(1) for _ in range(8)] == [2] * 7 + [3]  # the 8th call times the runner-up, k=3, again
   # Every RETIME_EVERY-th call at a bucket (offset by half) times again the width timed longest
   # ago among those within RETIME_WITHIN of the best: k = 2 here, timed once on a slow call.
   policy = DraftPolicy(2)

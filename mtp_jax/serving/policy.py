@@ -50,17 +50,17 @@ class DraftPolicy:
   others keep drafting; with one request running this is a per-request switch. A request admitted
   where drafts do not pay even alone (`admits_drafting`) runs no module for its whole life, bar one
   probe request in PROBE_REQUEST_EVERY; drafting ones stop when none's own drafts pay alone any
-  more (`keeps_drafting`). Every 4th call at a bucket runs the runner-up instead when it is within a
-  tenth of the best (call times here move by that much, so such widths are ranked by noise until
-  timed again), and every RETIME_EVERY-th the width timed longest ago among those within
-  RETIME_WITHIN of the best, so one slow sample cannot bar a width for good (both only where
-  neither width defers the deeper modules: such a turn would cost a catch-up); a width's time is the
-  median of its recent calls plus the catch-ups it caused, spread over its steps (`step_seconds`).
-  A call during which JAX built a program (traced, then compiled or read it from a cache) is not a
-  sample. So a step drafts like k = K where drafts
-  pay (few requests, high acceptance) and less, down to 0, where the wider target forward costs
-  more than the tokens it wins (many requests, low acceptance). Both measurements belong to the
-  models, batch size and machine, not to one engine: an engine built again can start from them
+  more (`keeps_drafting`). Every TURN_EVERY-th call at a bucket runs the runner-up instead when it
+  is within TURN_WITHIN of the best (such widths are ranked by noise until timed again), and every
+  RETIME_EVERY-th the width timed longest ago among those within RETIME_WITHIN of the best, so one
+  slow sample cannot bar a width for good (both only where neither width defers the deeper
+  modules: such a turn would cost a catch-up); a width's time is the median of its recent calls
+  plus the catch-ups it caused, spread over its steps (`step_seconds`). A call during which JAX
+  built a program (traced, then compiled or read it from a cache) is not a sample. So a step
+  drafts like k = K where drafts pay (few requests, high acceptance) and less, down to 0, where
+  the wider target forward costs more than the tokens it wins (many requests, low acceptance).
+  Both measurements belong to the models, batch size and machine, not to one engine: an engine
+  built again can start from them
   (`Engine(draft_policy=)`).
   """
 
@@ -70,6 +70,8 @@ class DraftPolicy:
   # at 1 in 16 that cost a tenth of the tokens/s of 8 slots whose drafts all fail.
   PROBE_REQUEST_EVERY: typing.ClassVar[int] = 64  # admissions declined between probe requests
   RETIME_EVERY: typing.ClassVar[int] = 16  # calls at a bucket between runs of its stalest width
+  TURN_EVERY: typing.ClassVar[int] = 8  # calls at a bucket between turns of a runner-up within TURN_WITHIN
+  TURN_WITHIN: typing.ClassVar[float] = 0.95  # of the best width's gain
   RETIME_WITHIN: typing.ClassVar[float] = 0.6  # of the best width's gain: widths worth timing again
 
   max_drafts: int
@@ -111,10 +113,11 @@ class DraftPolicy:
     # defers (`defers`: one call at width 1 between calls at 3 cost 4 slots of the trained demo a
     # catch-up each time), so only widths that run every module take such turns.
     turns = [k for k in gain if k != best and not defers(k, self.max_drafts) and not defers(best, self.max_drafts)]
-    if self.choices[b] % 4 == 0:
-      # A call's time moves by a tenth here, so widths within a tenth of the best are ranked by
-      # noise: every 4th call times the nearest of them again rather than trusting old samples.
-      close = [k for k in turns if gain[k] >= 0.9 * gain[best]]
+    if self.choices[b] % self.TURN_EVERY == 0:
+      # Widths within TURN_WITHIN of the best are ranked by noise (a call's time moves by a tenth
+      # here, the median of a few calls by less): every TURN_EVERY-th call times the nearest of
+      # them again rather than trusting old samples, at a cost of at most 1 - TURN_WITHIN a turn.
+      close = [k for k in turns if gain[k] >= self.TURN_WITHIN * gain[best]]
       if close:
         return max(close, key=gain.get)
     if best > 0 and self.choices[b] % self.RETIME_EVERY == self.RETIME_EVERY // 2:
