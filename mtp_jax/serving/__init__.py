@@ -4,7 +4,7 @@
     state.py     LoopState and SlotSettings: what a step carries, each slot's request settings
     parts.py     the verifiers and the drafter a step picks once from its settings
     step.py      DecodeStep: drafter + verifier over the models' caches; prefill, step, run
-    jit.py       the step's jitted entry points (the loop state donated)
+    jit.py       the step's jitted entry points (the loop state donated), FlatModel (models flattened once)
     generate.py  generate: one fixed batch to its end
     policy.py    DraftPolicy: the verify width of num_drafts="auto", from measured times and acceptance
     requests.py  Request, QueueFull: the Engine's host-side records
@@ -21,7 +21,7 @@ from mtp_jax.serving.options import EngineConfig, Paging, Relaxed, Sampling, Ste
 from mtp_jax.serving.state import LoopState, SlotSettings
 from mtp_jax.serving.parts import Drafter, Verdict, pick_verifier
 from mtp_jax.serving.step import DecodeStep
-from mtp_jax.serving.jit import jit_prefill, jit_run, jit_step
+from mtp_jax.serving.jit import FlatModel, jit_prefill, jit_run, jit_step
 from mtp_jax.serving import generate as generate_lib
 from mtp_jax.serving.generate import GenerateOutput, generate
 from mtp_jax.serving.policy import DraftPolicy
@@ -31,5 +31,5 @@ from mtp_jax.serving.metrics import prometheus_text
 
 __all__ = ["EngineConfig", "Paging", "Relaxed", "Sampling", "StepSettings", "DecodeStep", "Drafter", "LoopState",
            "SlotSettings", "Verdict",
-           "jit_prefill", "jit_run", "jit_step", "pick_verifier", "generate_lib", "GenerateOutput", "generate",
+           "FlatModel", "jit_prefill", "jit_run", "jit_step", "pick_verifier", "generate_lib", "GenerateOutput", "generate",
            "DraftPolicy", "Engine", "QueueFull", "Request", "prometheus_text"]

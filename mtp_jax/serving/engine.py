@@ -57,7 +57,7 @@ from mtp_jax.serving.requests import Request, check_eos, check_grammar, slot_set
 from mtp_jax.serving.generate import MIN_CAPACITY, padded_prompts
 from mtp_jax.serving.options import EngineConfig, Paging, StepSettings
 from mtp_jax.serving.step import DecodeStep, defers
-from mtp_jax.serving.jit import (jit_free, jit_prefill, jit_prefill_part, jit_run_for, jit_span_needed,
+from mtp_jax.serving.jit import (FlatModel, jit_free, jit_prefill, jit_prefill_part, jit_run_for, jit_span_needed,
                                  jit_stop_drafting)
 from mtp_jax.target import TargetModel
 
@@ -65,9 +65,9 @@ from mtp_jax.target import TargetModel
 class Engine:
   """Continuous batching: requests come and go; each slot is refilled as soon as it frees.
 
-  `Engine(target, proposer, config)` or `Engine(target, proposer, **fields)`: target, proposer
-  as for `generate` (proposer None decodes without drafts); config an `EngineConfig` (see it for
-  every field), fields overriding its values (`Engine(t, p, max_batch=4)`).
+  `Engine(target, proposer, config)` or `Engine(target, proposer, **fields)`: target, proposer as
+  for `generate` (proposer None decodes without drafts; their weights are read once, here); config
+  an `EngineConfig` (see it for every field), fields overriding its values (`Engine(t, p, max_batch=4)`).
   """
 
   def __init__(self, target: TargetModel, proposer: MtpModel | None, config: EngineConfig | None = None,
@@ -91,9 +91,9 @@ class Engine:
     max_len = validate.integer("max_len", cfg.max_len, d.rows_per_step + 1)
     page_size, num_pages = options.paging(max_len, cfg.page_size, cfg.num_pages, self.max_batch)
     self.config, self.target, self.proposer = cfg, target, proposer
-    self.max_drafts = d.num_drafts  # K: the most a step drafts
+    self._models = FlatModel.of(target), FlatModel.of(proposer)  # what the jitted calls take: flattened once
+    self.max_drafts, self.defaults = d.num_drafts, d  # K: the most a step drafts
     self.num_drafts = "auto" if auto else (0 if cfg.num_drafts == 0 else d.num_drafts)  # the requests' default
-    self.defaults = d
     self.max_len, self.page_size, self.num_pages = max_len, page_size, num_pages
     if cfg.draft_policy is not None:
       validate.instance("draft_policy", cfg.draft_policy, DraftPolicy, "a mtp_jax.serving.DraftPolicy")
@@ -245,7 +245,7 @@ class Engine:
     step, running, traces, t1 = self._step, self.num_running, programs_built(), time.perf_counter()
     decoding = [slot for slot, rid in enumerate(self._slots) if rid is not None and not self._admission.in_parts(rid)]
     idx_A = self._slot_group(decoding)
-    self._s = jit_run_for(step, self.target, self.proposer, self._grammars.union, self._s, np.int32(n),
+    self._s = jit_run_for(step, *self._models, self._grammars.union, self._s, np.int32(n),
                           None if len(idx_A) == len(self._slots) else idx_A, self._read)
     (rows, narrowest), catch_ups = self._waiting, self._catch_ups
     gained, steps = self._collect()
@@ -336,7 +336,7 @@ class Engine:
     next_1xT, _ = padded_prompts([req.prompt[done + 1:done + c + 1]], 1, [0])
     slot_1 = np.asarray([req.slot], np.int32)
     drafting_1 = np.asarray([req.drafting and req.num_drafts != 0], bool)
-    self._s = jit_prefill_part(self._base, self.target, self.proposer, self._grammars.union, self._s, slot_1,
+    self._s = jit_prefill_part(self._base, *self._models, self._grammars.union, self._s, slot_1,
                                prompt_1xT, len_1, next_1xT, self._read_for(slot_1, len_1), drafting_1)
     req.prefilled += c
 
@@ -355,10 +355,10 @@ class Engine:
       max_new_A[i] = r.max_new_tokens
       if r.grammar is not None:
         gstart_A[i] = self._grammars.start(r.grammar)
-    self._s = jit_prefill(self._base, self.target, self.proposer, self._grammars.union,
-                          self._s, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A,
-                          slot_settings(admitted, a, vocab_size=self.target.cfg.vocab_size, max_drafts=self.max_drafts,
-                                        seed=self.defaults.seed), idx_A, self._read_for(idx_A, lens_A))
+    slots = slot_settings(admitted, a, vocab_size=self.target.cfg.vocab_size, max_drafts=self.max_drafts,
+                          seed=self.defaults.seed)
+    self._s = jit_prefill(self._base, *self._models, self._grammars.union, self._s, prompts_AxT, lens_A, admit_A,
+                          gstart_A, max_new_A, slots, idx_A, self._read_for(idx_A, lens_A))
 
   def _slot_group(self, slots: list[int]) -> np.ndarray:
     """int32[A]: slots, then others (free ones first, untouched by the call) up to a power of two

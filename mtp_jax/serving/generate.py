@@ -22,7 +22,7 @@ from mtp_jax.serving import options
 from mtp_jax.serving.options import Paging, StepSettings
 from mtp_jax.serving.state import LoopState, SlotSettings
 from mtp_jax.serving.step import DecodeStep
-from mtp_jax.serving.jit import jit_fits, jit_generate, jit_pages_needed, jit_prefill, jit_run, jit_step
+from mtp_jax.serving.jit import FlatModel, jit_fits, jit_generate, jit_pages_needed, jit_prefill, jit_run, jit_step
 from mtp_jax.target import TargetModel
 from mtp_jax.tree import TreeSpec
 
@@ -153,13 +153,14 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
       acceptance=d.acceptance, relaxed=d.relaxed, tree=tree, draft_masks=draft_masks, mesh=mesh, paging=paging))
   slots = SlotSettings.uniform(b, num_drafts=d.num_drafts, temperature=d.sampling.temperature, top_k=d.sampling.top_k,
                                top_p=d.sampling.top_p, seed=d.seed, eos_token_id=d.eos_token_id)
+  models = FlatModel.of(target), FlatModel.of(proposer)  # the jitted calls' arguments, flattened once
   if stream is None:
-    s = jit_generate(step, target, proposer, grammar, prompts_BxT, lens_B, gstart_B, slots, b, read)
+    s = jit_generate(step, *models, grammar, prompts_BxT, lens_B, gstart_B, slots, b, read)
     while not np.asarray(s.done).all():
       step, read, s = _resize(step, read, s, full_len)
-      s = jit_run(step, target, proposer, grammar, s, read)
+      s = jit_run(step, *models, grammar, s, read)
   else:
-    s = jit_prefill(step, target, proposer, grammar, step.init(target, proposer, grammar, b), prompts_BxT,
+    s = jit_prefill(step, *models, grammar, step.init(target, proposer, grammar, b), prompts_BxT,
                     lens_B, np.ones((b,), bool), gstart_B, np.full((b,), max_new_tokens, np.int32), slots)
     seen = np.zeros(b, np.int64)
     while True:
@@ -170,7 +171,7 @@ def generate(target: TargetModel, proposer: MtpModel | None, prompts: Sequence[S
         break
       if not bool(jit_fits(step, s, read)):
         step, read, s = _resize(step, read, s, full_len)
-      s = jit_step(step, target, proposer, grammar, s, read)
+      s = jit_step(step, *models, grammar, s, read)
   return _output(s, d.num_drafts)
 
 
