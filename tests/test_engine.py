@@ -311,6 +311,54 @@ def test_module_work_follows_the_width_and_drafts_stay_exact(deferred_rows, seed
   assert m["drafts_accepted_total"] > 0 and m["drafts_proposed_at"][0] < m["verify_steps_total"]
 
 
+class _Capping(_ScriptedWidths):
+  """A scripted policy that caps the first requests admitted at `caps`, the later ones at K."""
+
+  def __init__(self, widths, caps):
+    super().__init__(widths)
+    self.caps = iter(caps)
+
+  def cap(self, num_running):
+    return next(self.caps, K)
+
+
+@pytest.mark.parametrize("steps_per_call", [1, 3])
+def test_requests_capped_at_a_narrow_width_keep_no_rows_and_stay_exact(steps_per_call):
+  """Two requests capped at width 1 at their admission (`DraftPolicy.cap`), then an uncapped one
+  under widths 1 and K in turns: the capped slots' prefill runs module 0 only, their rows never
+  wait for the deeper modules (no catch-up for them) while the uncapped slot's do, each step's
+  drafts up to each slot's cap equal those of an engine that defers nothing, and every request
+  equals generate alone."""
+  engines = [Engine(TARGET5, PROPOSER5, max_batch=3, max_len=64, page_size=2, num_pages=64,
+                    draft_policy=_Capping([1, 1, K] * 30, caps=[1, 1]), steps_per_call=steps_per_call,
+                    deferred_rows=rows) for rows in (0, 32)]
+  ref, engine = engines
+  for e in engines:
+    ids = [e.add_request([1, 2, 3], 20), e.add_request([4, 0, 1], 20)]
+    e.step()
+    ids.append(e.add_request([2, 2, 4, 1], 20))
+  caps = {engine.requests[rid].slot: engine.requests[rid].cap for rid in ids[:2]}
+  assert list(caps.values()) == [1, 1] and engine.metrics()["verify_width"] == 1
+  # Their prefill and steps ran module 0 alone: the deeper modules hold no row of theirs.
+  lengths_KxB = np.asarray(engine._s.proposer.lengths)
+  assert all(lengths_KxB[0, b] > 0 and not lengths_KxB[1:, b].any() for b in caps)
+  waited = []
+  while engine.num_running or engine.num_waiting:
+    for e in engines:
+      e.step()
+    assert ref.metrics()["verify_width"] == engine.metrics()["verify_width"]
+    live = ~np.asarray(engine._s.done)
+    cap_B = np.asarray(engine._s.slots.num_drafts)
+    for b in np.flatnonzero(live):
+      np.testing.assert_array_equal(np.asarray(engine._s.drafts)[b, :cap_B[b]], np.asarray(ref._s.drafts)[b, :cap_B[b]])
+    n_B = np.asarray(engine._s.deferred.n)
+    assert all(n_B[b] == 0 for b in caps)
+    waited.append(int(n_B.max()))
+  assert max(waited) > 0  # the uncapped slot's rows waited at width 1
+  for rid in ids:
+    assert engine.requests[rid].tokens == _alone(tuple(engine.requests[rid].prompt))[:20]
+
+
 def test_steps_where_no_request_drafts_run_no_module():
   """While every running request verifies no drafts a step runs no module (`modules_idle`: the
   proposer's state passes through); a drafting request admitted later drafts from its own

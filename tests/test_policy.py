@@ -171,6 +171,24 @@ def test_a_catch_up_is_charged_to_the_width_whose_rows_waited():
   assert not fresh.seconds and not fresh.catch_up_seconds
 
 
+def test_requests_are_capped_where_a_deferring_width_wins_without_its_catch_ups():
+  """`cap`: a request admitted where a deferring width (2k < K), timed without catch-up charges,
+  beats every width at its charged time is capped there (its rows never wait, so it pays none);
+  elsewhere, or before the bucket is timed, it may verify all K."""
+  policy = DraftPolicy(3)
+  assert policy.cap(4) == 3  # nothing timed at the bucket
+  for k, seconds in [(3, 0.040), (2, 0.040), (1, 0.020), (0, 0.020)]:
+    policy.record(k, 4, seconds, steps=4)  # 10 ms a step at k >= 2, 5 ms at k <= 1
+  policy.observe([90, 80, 70], [100] * 3)
+  policy.record(1, 4, 0.060, steps=4, catch_up_of=1)  # 40 ms of catch-up over k = 1's 8 steps
+  assert policy.step_seconds(1, 4) == pytest.approx(0.010)
+  assert policy.choose(4) == 3  # uncapped, k = 1 pays its catch-ups
+  assert policy.cap(4) == 1 and policy.cap(1) == 3  # capped it pays none; bucket 1 is not timed
+  for _ in range(3):
+    policy.record(1, 4, 0.036, steps=4)  # k = 1 now takes 9 ms a step even without a catch-up
+  assert policy.cap(4) == 3
+
+
 def test_a_measured_policy_round_trips_through_json_and_starts_a_served_engine(tmp_path):
   policy = DraftPolicy(K)
   policy.record(2, 3, 0.02, steps=4)

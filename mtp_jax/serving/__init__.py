@@ -30,6 +30,6 @@ from mtp_jax.serving.engine import Engine
 from mtp_jax.serving.metrics import prometheus_text
 
 __all__ = ["EngineConfig", "Paging", "Relaxed", "Sampling", "StepSettings", "DecodeStep", "Drafter", "LoopState",
-           "SlotSettings", "Verdict",
-           "FlatModel", "jit_prefill", "jit_run", "jit_step", "pick_verifier", "generate_lib", "GenerateOutput", "generate",
+           "SlotSettings", "Verdict", "FlatModel",
+           "jit_prefill", "jit_run", "jit_step", "pick_verifier", "generate_lib", "GenerateOutput", "generate",
            "DraftPolicy", "Engine", "QueueFull", "Request", "prometheus_text"]

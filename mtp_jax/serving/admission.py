@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import collections
 
+import numpy as np
+
 from mtp_jax.serving.requests import QueueFull, Request
 
 
@@ -72,3 +74,17 @@ class Admission:
   def drop(self, request_id: int) -> None:
     """A waiting request leaves the queue (cancelled or past its deadline)."""
     self.waiting.remove(request_id)
+
+
+def slot_group(slots: list[int], occupied: list[bool], may_group: bool = True) -> np.ndarray:
+  """int32[A]: the slots a call computes: `slots`, then others (free ones first: occupied[i] says
+  whether slot i holds a request; the call leaves them untouched) up to a power of two A, so a
+  call over a group compiles once per A. Every slot when A would be more than half of them (a
+  group saves less than half the work there, and costs a program of its own to compile) or when
+  not may_group (on a mesh: A must divide the data axis)."""
+  b = len(occupied)
+  a = 1 << (len(slots) - 1).bit_length()
+  if not may_group or 2 * a > b:
+    a = b
+  rest = sorted(set(range(b)) - set(slots), key=lambda i: occupied[i])
+  return np.asarray(list(slots) + rest[:a - len(slots)], np.int32)

@@ -19,7 +19,9 @@ def calibrate(engine: Engine, *, calls: int = 3, prompt_len: int = 16) -> DraftP
   runs synthetic requests (prompt_len tokens, num_drafts=k) on `engine` until `calls` decode calls
   that built no program were timed into its policy, and, at a width that leaves the deeper
   modules' rows waiting (0 < k, 2k < K), until one catch-up was charged to it (`DraftPolicy.record`):
-  its time per step includes its catch-ups from the start. The acceptance counts and the engine's
+  its time per step includes its catch-ups from the start. There the requests are "auto" ones,
+  uncapped, under the policy held at k (`DraftPolicy.held`): a request of num_drafts=k verifies
+  no deeper draft, so its rows would not wait. The acceptance counts and the engine's
   metrics are left as they were (synthetic prompts say nothing about real ones). Needs an "auto"
   engine with nothing running or waiting; returns its `DraftPolicy`."""
   calls = validate.positive_int("calls", calls)
@@ -44,12 +46,16 @@ def calibrate(engine: Engine, *, calls: int = 3, prompt_len: int = 16) -> DraftP
                                                 f"fit in num_pages={engine.num_pages} pages together")
     for k in range(engine.max_drafts, -1, -1):
       key = (k, DraftPolicy.bucket(bucket))
-      ids = [engine.add_request(prompt, min(new, fits), num_drafts=k) for _ in range(bucket)]
-      before, charged = len(policy.seconds.get(key, ())), policy.catch_up_seconds.get(key)
       waits = 0 < k and defers(k, engine.max_drafts) and cfg.deferred_rows > 0
-      while (engine.num_running or engine.num_waiting) and (len(policy.seconds.get(key, ())) < before + calls or
-                                                            waits and policy.catch_up_seconds.get(key) == charged):
-        engine.step()
+      policy.held = k if waits else None
+      ids = [engine.add_request(prompt, min(new, fits), num_drafts="auto" if waits else k) for _ in range(bucket)]
+      before, charged = len(policy.seconds.get(key, ())), policy.catch_up_seconds.get(key)
+      try:
+        while (engine.num_running or engine.num_waiting) and (len(policy.seconds.get(key, ())) < before + calls or
+                                                              waits and policy.catch_up_seconds.get(key) == charged):
+          engine.step()
+      finally:
+        policy.held = None
       for rid in ids:
         engine.cancel(rid)
         engine.forget(rid)

@@ -26,7 +26,9 @@ does not).
 Speculation adapts (`num_drafts="auto"`, `DraftPolicy`): each call's width follows the running
 count, the measured acceptance per position and the measured step time of each width; at a narrow
 width (2k < K) only k modules run: the deeper ones' rows wait (`deferred_rows`) and catch up in one
-call when a wider step needs them (its time charged to the width that waited). A request that
+call when a wider step needs them (its time charged to the width that waited). A slot capped at
+such a width ("auto" admitted where it wins without catch-ups: `DraftPolicy.cap`) keeps no rows:
+its deeper modules get none, from its prefill on. A request that
 verifies no drafts (num_drafts=0, "auto" admitted where drafts do not pay even alone:
 `DraftPolicy.admits_drafting`, or stopped by `DraftPolicy.keeps_drafting`) gets no module rows.
 
@@ -49,7 +51,7 @@ from mtp_jax.blocks.pages import PageRead, budget_bucket
 from mtp_jax.mtp import MtpModel
 from mtp_jax.serving import options
 from mtp_jax.serving.grammars import GrammarUnion
-from mtp_jax.serving.admission import Admission
+from mtp_jax.serving.admission import Admission, slot_group
 from mtp_jax.serving.calibrate import calibrate
 from mtp_jax.serving.metrics import Tally
 from mtp_jax.serving.policy import DraftPolicy, programs_built
@@ -278,8 +280,10 @@ class Engine:
       self._s = jit_stop_drafting(self._base, self._s, np.isin(np.arange(self.max_batch), [r.slot for r in drafting]))
       for r in drafting:
         r.drafting = False
-    k = max((r.num_drafts for r in running if r.num_drafts != "auto"), default=0)
-    if any(r.num_drafts == "auto" and r.drafting for r in running):
+    # Fixed requests and "auto" ones capped at admission (`DraftPolicy.cap`) ask for their own width.
+    k = max((r.draft_cap(self.max_drafts) for r in running if r.num_drafts != "auto" or r.cap < self.max_drafts),
+            default=0)
+    if any(r.num_drafts == "auto" and r.drafting and r.cap == self.max_drafts for r in running):
       # A request that does not draft adds its one token a step whatever the width.
       scales = [self.policy.request_scale(r.drafts_accepted, r.drafts_verified) if r.drafting else 0.0
                 for r in running]
@@ -321,8 +325,10 @@ class Engine:
                                                   self.requests)
     for req in admitted:
       self._slots[req.slot] = req.id
+    for req in admitted:
       if req.num_drafts == "auto":  # (the policy answers the admission, then says whether it was a probe)
         req.drafting, req.probe = self.policy.admits_drafting(), self.policy.probe_admitted
+        req.cap = self.policy.cap(self.num_running) if req.drafting and not req.probe else self.max_drafts
     if part is not None:
       self._prefill_part(part)
     if whole:
@@ -357,20 +363,14 @@ class Engine:
         gstart_A[i] = self._grammars.start(r.grammar)
     slots = slot_settings(admitted, a, vocab_size=self.target.cfg.vocab_size, max_drafts=self.max_drafts,
                           seed=self.defaults.seed)
-    self._s = jit_prefill(self._base, *self._models, self._grammars.union, self._s, prompts_AxT, lens_A, admit_A,
+    # Requests capped below K (or not drafting) need none of the deeper modules' prompt rows.
+    widest = max(r.draft_cap(self.max_drafts) for r in admitted)
+    step = self._base if widest in (0, self.max_drafts) else self._base.replace(verify_drafts=widest)
+    self._s = jit_prefill(step, *self._models, self._grammars.union, self._s, prompts_AxT, lens_A, admit_A,
                           gstart_A, max_new_A, slots, idx_A, self._read_for(idx_A, lens_A))
 
   def _slot_group(self, slots: list[int]) -> np.ndarray:
-    """int32[A]: slots, then others (free ones first, untouched by the call) up to a power of two
-    A: a call over a group compiles once per A. Every slot when A would be more than half of them
-    (a group saves less than half the work there, and costs a program of its own to compile) or on
-    a mesh (A must divide the data axis)."""
-    b = len(self._slots)
-    a = 1 << (len(slots) - 1).bit_length()
-    if self._step.settings.mesh is not None or 2 * a > b:
-      a = b
-    rest = sorted(set(range(b)) - set(slots), key=lambda i: self._slots[i] is not None)
-    return np.asarray(list(slots) + rest[:a - len(slots)], np.int32)
+    return slot_group(slots, [r is not None for r in self._slots], self._step.settings.mesh is None)
 
   def _read_for(self, idx_A, num_new_A) -> PageRead:
     """How a call adding num_new_A rows to the slots idx_A reads its pages: their pages only, the

@@ -85,6 +85,9 @@ class DraftPolicy:
   timed_at: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> `recorded` at its latest sample
   steps_at: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> steps run there, all told
   catch_up_seconds: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> catch-up time charged to it
+  # A width every call runs while set, its requests uncapped and drafting (`calibrate` times a
+  # deferring width with rows waiting, so its catch-ups are charged), whatever was measured.
+  held: int | None = None
 
   def __post_init__(self):
     self.accepted_at = np.zeros((self.max_drafts,), np.int64) if self.accepted_at is None else self.accepted_at
@@ -100,6 +103,8 @@ class DraftPolicy:
     probe request (`admits_drafting`) runs and is still `measuring`: where k = 0 wins, the call
     runs k = 1, so its drafts are verified within K x PRIOR_WEIGHT steps and it stops (or drafts
     pay again) a few calls after its admission, not after a life of waiting rows and catch-ups."""
+    if self.held is not None:
+      return self.held
     b = self.bucket(num_running)
     untried = self._untried(b)
     if untried is not None:
@@ -146,7 +151,7 @@ class DraftPolicy:
     (all or none: a batched step computes every slot's draft rows); one that stops runs no module
     for the rest of its life (its modules cannot catch up without the target hiddens they missed),
     and a probe request (`admits_drafting`) stops once its first drafts say they still do not pay."""
-    if self.measuring(drafts_verified):
+    if self.measuring(drafts_verified) or self.held is not None:
       return True
     return self.drafts_pay(self.request_scale(drafts_accepted, drafts_verified))
 
@@ -163,11 +168,29 @@ class DraftPolicy:
     k = 1: `choose(probing=)`), so acceptance is still measured and speculation comes back for
     later requests once drafts pay again."""
     self.probe_admitted = False
-    if self.drafts_pay():
+    if self.held is not None or self.drafts_pay():
       return True
     self.declined += 1
     self.probe_admitted = self.declined % self.PROBE_REQUEST_EVERY == 0
     return self.probe_admitted
+
+  def cap(self, num_running: int) -> int:
+    """The most drafts a drafting request admitted now, with num_running requests running, may
+    ever verify: a width c that defers the deeper modules (`defers`) where c at its time per step
+    without catch-up charges gives more tokens per second than any width at its charged time
+    (`step_seconds`), else K. A request capped at c keeps no rows for the deeper modules (they are
+    never read for it), so its slot never pays a catch-up, nor those modules' prefill; measured
+    on the trained large demo with 4 slots, an engine held at width 1 ran at 0.91x a fixed k = 1
+    engine while it kept them. Only widths timed at the bucket (not estimated) are weighed."""
+    b, k = self.bucket(num_running), self.max_drafts
+    if self.held is not None or self._untried(b) is not None:
+      return k
+    gain = self._gains(b, [1.0] * num_running)
+    rate = self.rates()
+    capped = {c: num_running * (1 + sum(rate[:c])) / self._median(c, b)
+              for c in range(1, k + 1) if defers(c, k) and self.seconds.get((c, b))}
+    best = max(capped, key=capped.get, default=None)
+    return best if best is not None and capped[best] > max(gain.values()) else k
 
   def _untried(self, bucket: int) -> int | None:
     """A width the bucket has to try before widths can be compared there (None: none): the widest

@@ -48,6 +48,7 @@ class Request:
   # stopped since, its own drafts not paying (DraftPolicy.keeps_drafting).
   drafting: bool = True
   probe: bool = False  # admitted drafting as a probe where drafts did not pay (DraftPolicy.admits_drafting)
+  cap: int | None = None  # an "auto" request's draft cap, set at admission (DraftPolicy.cap; K: none)
   verify_calls: int = 0
   drafts_verified: int = 0
   drafts_accepted: int = 0
@@ -56,6 +57,13 @@ class Request:
   last_token_at: float | None = None
   first_token_at: float | None = None
   finished_at: float | None = None
+
+  def draft_cap(self, max_drafts: int) -> int:
+    """The most drafts a step verifies for it: its num_drafts; "auto": its cap (K before
+    admission), 0 once it does not draft."""
+    if self.num_drafts != "auto":
+      return self.num_drafts
+    return (max_drafts if self.cap is None else self.cap) if self.drafting else 0
 
   @property
   def stats(self) -> dict:
@@ -127,7 +135,7 @@ def slot_settings(admitted: list[Request], a: int, *, vocab_size: int, max_draft
   for i, r in enumerate(admitted):
     temperature[i], top_k[i] = r.temperature, min(r.top_k or 0, vocab_size)
     top_p[i] = 1.0 if r.top_p is None else r.top_p
-    caps[i] = (max_drafts if r.drafting else 0) if r.num_drafts == "auto" else r.num_drafts
+    caps[i] = r.draft_cap(max_drafts)
     eos[i, :len(r.eos_token_ids)] = r.eos_token_ids
     keys[i] = row_key(r.seed) if r.seed is not None else row_key(seed, r.id)
   return SlotSettings(RowSampling(jnp.asarray(temperature), jnp.asarray(top_k), jnp.asarray(top_p)),

@@ -116,9 +116,10 @@ class Deferred:
   in one call, when a step needs them (a wider one) or the rows would not fit. Module k's input
   at a kept row is module k-1's output there, which its ring no longer holds, so that call puts
   the slot's proposer back as it was when its rows began to wait (`began`) and runs the chain
-  over them all. A run of W rows at width 0 thus costs one K-module call instead of W, and a run
-  at width k one call of the K - k deeper modules instead of one per step, plus modules 0..k-1
-  run again over those rows (so a wider step does not defer).
+  over them all. A slot capped at most at k (`SlotSettings.num_drafts`) never verifies the deeper
+  modules' drafts: its rows are not kept. A run of W rows at width 0 thus costs one K-module call
+  instead of W, and a run at width k one call of the K - k deeper modules instead of one per
+  step, plus modules 0..k-1 run again over those rows (so a wider step does not defer).
 
   hid dtype[B, W, D]: the target hiddens of those positions, in order; tok int32[B, W]: the
   token after each; n int32[B]: rows kept per slot; width int32[B]: the narrowest width a step

@@ -203,7 +203,9 @@ class DecodeStep:
     slots' (B read as A), in idx_A's order, and only they are computed (a prefill over all B slots
     costs B x T rows of the target for the few admitted). A slot whose earlier prompt parts
     `prefill_part` wrote gets its last part here: its rows continue after them. Not on a mesh
-    (A need not divide the data axis). read: how the call reads its pages (static `PageRead`)."""
+    (A need not divide the data axis). read: how the call reads its pages (static `PageRead`).
+    A step narrower than its proposer (verify width c < K) runs modules 0..c-1 only, for slots
+    capped at c (num_drafts <= c: their deeper modules' drafts are never verified)."""
     if idx_A is not None:
       return self._on_slots(s, idx_A, lambda sub: self.prefill(
           target, proposer, grammar, sub, prompts_BxT, lens_B, admit_B, gstart_B, max_new_B, slots, read=read))
@@ -237,7 +239,7 @@ class DecodeStep:
     # A slot that verifies no drafts (num_drafts 0) gets no module rows, now or later.
     drafts, tree_probs, pstate = _draft_unless_idle(
         lambda pstate, hid, tokens, num_new: self.drafter.draft(proposer, grammar, pstate, hid, tokens, num_new,
-                                                                gstate_B, s.slots, s.num_out, read),
+                                                                gstate_B, s.slots, s.num_out, read, lagging=True),
         pstate, hid, tokens, jnp.where(ok_B & (s.slots.num_drafts > 0), lens_B, 0))
     keep = lambda new, prev: jnp.where(admit_B.reshape((b,) + (1,) * (new.ndim - 1)), new, prev)
     # A running slot whose deeper modules lag (`Deferred`) may see them run here over rows whose
@@ -266,7 +268,7 @@ class DecodeStep:
       num_new_1 = len_1 if drafting_1 is None else jnp.where(drafting_1, len_1, 0)
       _, _, pstate = _draft_unless_idle(
           lambda pstate, hid, tokens, num_new: self.drafter.draft(proposer, None, pstate, hid, tokens, num_new, None,
-                                                                  sub.slots, sub.num_out, read),
+                                                                  sub.slots, sub.num_out, read, lagging=True),
           sub.proposer, hid, next_1xT, num_new_1)
       return sub.set(proposer=pstate)
     return self._on_slots(s, slot_1, part)
@@ -340,8 +342,11 @@ class DecodeStep:
     if deferred is None or not (st.may_catch_up or defers(k, self.drafter.num_drafts)):
       drafts, tree_probs, pstate = _draft_unless_idle(draft, pstate, hid, new_BxK1, num_new)
     else:
+      # A slot capped at most at k (num_drafts <= k) never verifies a deeper module's draft: its
+      # rows wait for none (those modules' rows and drafts for it are left stale, never read).
+      waits_B = s2.slots.num_drafts > k
       drafts, tree_probs, pstate, deferred = _draft_deferring(draft, k, self.drafter.num_drafts, pstate, deferred,
-                                                              hid, new_BxK1, num_new, st.may_catch_up)
+                                                              hid, new_BxK1, num_new, waits_B, st.may_catch_up)
     tree_probs = None if s.tree_probs is None else tree_probs  # kept for rejection sampling only
     return self._stop_out_of_pages(s2.set(proposer=pstate, drafts=drafts, tree_probs=tree_probs, deferred=deferred))
 
@@ -396,11 +401,12 @@ def defers(k: int, full: int) -> bool:
   return 2 * k < full
 
 
-def _draft_deferring(draft, k: int, full: int, pstate, deferred: Deferred, hid, tokens, num_new_B,
+def _draft_deferring(draft, k: int, full: int, pstate, deferred: Deferred, hid, tokens, num_new_B, waits_B,
                      may_catch_up: bool = True):
   """(drafts, draft distributions or None, new proposer state, new `Deferred`) of a step at width
   k of at most `full` drafts that may defer the modules past k (`defers`; draft(..., lagging=True)
-  runs k).
+  runs k). waits_B (bool[B]): the slots whose rows the deeper modules need (a slot capped at most
+  at k needs none of them: its rows are not kept).
 
   A step that does not defer, or one whose width a waiting slot's modules lag behind, or whose
   rows would not fit, first puts each waiting slot's proposer back as its wait began and runs the
@@ -416,13 +422,15 @@ def _draft_deferring(draft, k: int, full: int, pstate, deferred: Deferred, hid, 
     return jax.lax.cond(jnp.any(deferred.n > 0), catch_up,
                         lambda: (*draft(pstate, hid, tokens, num_new_B), deferred))
 
+  kept_B = jnp.where(waits_B, num_new_B, 0)
+
   def wait():
-    kept = deferred.began(pstate).kept(hid, tokens, num_new_B, k)
+    kept = deferred.began(pstate).kept(hid, tokens, kept_B, k)
     if k == 0:
       return *_no_drafts(draft, pstate, hid, tokens, num_new_B)[:2], pstate, kept
     return *draft(pstate, hid, tokens, num_new_B, lagging=True), kept
 
-  return jax.lax.cond(deferred.lags(k, num_new_B), catch_up, wait) if may_catch_up else wait()
+  return jax.lax.cond(deferred.lags(k, kept_B), catch_up, wait) if may_catch_up else wait()
 
 
 def _draft_unless_idle(draft, pstate, hid, tokens, num_new_B):
