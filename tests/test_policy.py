@@ -184,6 +184,9 @@ def test_requests_are_capped_where_a_deferring_width_wins_without_its_catch_ups(
   assert policy.step_seconds(1, 4) == pytest.approx(0.010)
   assert policy.choose(4) == 3  # uncapped, k = 1 pays its catch-ups
   assert policy.cap(4) == 1 and policy.cap(1) == 3  # capped it pays none; bucket 1 is not timed
+  policy.held = 1  # calibrate's uncapped requests at k = 1: the width is held, nothing capped
+  assert policy.choose(4) == 1 and policy.cap(4) == 3 and policy.admits_drafting()
+  policy.held = None
   for _ in range(3):
     policy.record(1, 4, 0.036, steps=4)  # k = 1 now takes 9 ms a step even without a catch-up
   assert policy.cap(4) == 3

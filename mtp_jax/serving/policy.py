@@ -59,6 +59,8 @@ class DraftPolicy:
   built a program (traced, then compiled or read it from a cache) is not a sample. So a step
   drafts like k = K where drafts pay (few requests, high acceptance) and less, down to 0, where
   the wider target forward costs more than the tokens it wins (many requests, low acceptance).
+  Where a deferring width, its catch-ups left out, beats every width with them counted, requests
+  admitted there are capped at it for life (`cap`): their rows never wait, so they pay none.
   Both measurements belong to the models, batch size and machine, not to one engine: an engine
   built again can start from them
   (`Engine(draft_policy=)`).
