@@ -6,8 +6,10 @@ lengths) arrive at once, in order. Fixed `generate` batches of max_batch run the
 order, each batch until its longest request ends (its tokens come back together, at the end of
 the batch); the Engine keeps max_batch slots busy, refilling each as its request ends. Rows:
 generate at k = K; the Engine with num_drafts="auto" (its DraftPolicy new in each pass, so it
-measures every width again, or kept from the previous pass, as a long-running server keeps its
-step times and acceptance), with k = K, and without a proposer. Columns: tokens/s and its ratio to generate's,
+measures every width again; kept from the previous pass, as a long-running server keeps its
+step times and acceptance; or calibrated before the stream by `Engine.calibrate`, then kept),
+with k = K, and without a proposer. Columns: tokens/s and its ratio to generate's (by medians,
+paired, and in the worst round),
 time to first token, inter-token latency and request latency (to the last token) p50 / p99 from
 the moment all requests arrived.
 
@@ -22,10 +24,11 @@ All greedy. Each configuration runs until a pass compiles nothing (a long-runnin
 each program once); then the configurations of a table run in turns, 3 rounds of one pass each,
 and the median of each one's 3 passes is shown. The "paired" columns give a ratio as the median
 over rounds of the two configurations' ratio within a round (`paired`): a drift of the machine's
-speed between rounds falls on both alike, where two medians may come from different rounds. The
-best fixed width of a row is the one with the best median. Before the "auto" rows, the stream
-also runs once at each fixed k = 0..K, which compiles most steps "auto" may pick. The counts of
-outputs equal to generate's are printed.
+speed between rounds falls on both alike, where two medians may come from different rounds; the
+"worst round" columns give the smallest of those ratios instead. The best fixed width of a row is
+the one with the best median. Before the "auto" rows, the stream also runs once at each fixed
+k = 0..K, which compiles most steps "auto" may pick. The counts of outputs equal to generate's
+are printed.
 Run: python benchmarks/serve_bench.py [--quick] [--json PATH] [--models both|trained|random] [--parts both|1|2]
 [--batches N ...].
 """
@@ -134,12 +137,12 @@ def _side_by_side(fns, max_passes: int, repeats: int) -> list[dict]:
   return out
 
 
-def paired(r, base) -> float:
-  """r's speed over base's: the median over rounds of base's wall time over r's in the same
-  round (their i-th timed passes). A round's drift (whole rounds here ran a tenth faster than
-  others) moves both alike, so this ratio moves less than one of medians taken from different
-  rounds."""
-  return float(np.median([b / a for a, b in zip(r["walls"], base["walls"])]))
+def paired(r, base, over=np.median) -> float:
+  """r's speed over base's: the median (or `over`, such as np.min: the worst round) over rounds
+  of base's wall time over r's in the same round (their i-th timed passes). A round's drift
+  (whole rounds here ran a tenth faster than others) moves both alike, so this ratio moves less
+  than one of medians taken from different rounds."""
+  return float(over([b / a for a, b in zip(r["walls"], base["walls"])]))
 
 
 def _stream_table(name, target, proposer, opts, k):
@@ -149,26 +152,29 @@ def _stream_table(name, target, proposer, opts, k):
   for w in range(k):  # compiles the narrower steps "auto" may pick (k=K is compiled by its own row)
     _engine_pass(target, proposer, requests, opts, w, b)
   policy = mtp_jax.serving.DraftPolicy(k)  # kept from one pass to the next, as a long-running server keeps it
+  calibrated = mtp_jax.Engine(target, proposer, max_batch=b, max_len=opts["max_len"],
+                              page_size=opts["page_size"]).calibrate()  # measured before the stream, then kept
   engine = lambda prop, nd, pol=None: lambda: _engine_pass(target, prop, requests, opts, nd, b, pol)
   runs = [("fixed generate batches, k=K", lambda: _generate_pass(target, proposer, requests, b)),
           ('Engine, "auto", measuring from scratch', engine(proposer, "auto")),
           ('Engine, "auto", policy kept', engine(proposer, "auto", policy)),
+          ('Engine, "auto", calibrated', engine(proposer, "auto", calibrated)),
           ("Engine, k=K", engine(proposer, k)),
           ("Engine, no proposer (k=0)", engine(None, None))]
   runs = list(zip([label for label, _ in runs], _side_by_side([fn for _, fn in runs], opts["passes"], opts["repeats"])))
   base = runs[0][1]
   print(f"\n## {name}: {len(requests)} requests at once, {b} slots, K={k}; prompts {opts['prompt_lens'][0]}.."
         f"{opts['prompt_lens'][1]} bytes, outputs {opts['output_lens'][0]}..{opts['output_lens'][1]} tokens\n")
-  print("| loop | tokens/s | vs generate | paired | TTFT p50 / p99 s | ITL p50 / p99 ms | latency p50 / p99 s | "
-        "accepted length | outputs equal to generate |")
-  print("|---|---|---|---|---|---|---|---|---|")
+  print("| loop | tokens/s | vs generate | paired | worst round | TTFT p50 / p99 s | ITL p50 / p99 ms | "
+        "latency p50 / p99 s | accepted length | outputs equal to generate |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   for label, r in runs:
     assert sum(len(o) for o in r["out"]) == tokens  # no eos: every request gets all its tokens
     itl = "all at once" if r["itl"] is None else f"{1e3 * r['itl'][0]:.1f} / {1e3 * r['itl'][1]:.1f}"
     acc = "" if r["accepted"] is None else f"{r['accepted']:.2f}"
     equal = sum(a == g for a, g in zip(r["out"], base["out"]))
     print(f"| {label} | {tokens / r['wall']:.1f} | {base['wall'] / r['wall']:.2f}x | {paired(r, base):.2f}x | "
-          f"{_q(r['ttft'], .5):.2f} / "
+          f"{paired(r, base, np.min):.2f}x | {_q(r['ttft'], .5):.2f} / "
           f"{_q(r['ttft'], .99):.2f} | {itl} | {_q(r['last'], .5):.2f} / {_q(r['last'], .99):.2f} | {acc} | "
           f"{equal}/{len(requests)} |")
 
@@ -181,8 +187,9 @@ def _batch_table(name, target, proposer, opts, k, cells):
   print(f"\n## {name}: Engine tokens/s against max_batch ({opts['table_requests']} x max_batch requests of "
         f"{opts['table_output']} tokens, prompts as above)\n")
   print("| max_batch | " + " | ".join(w if w.startswith("auto") else f"k={w}" for w, _, _ in widths) +
-        " | auto / calibrated vs best fixed k | paired | calibrated vs k=0, paired |")
-  print("|---" * (len(widths) + 4) + "|")
+        " | auto / calibrated vs best fixed k | paired | calibrated vs best fixed, worst round"
+        " | calibrated vs k=0, paired / worst round |")
+  print("|---" * (len(widths) + 5) + "|")
   lat = []
   for b in opts["batches"]:
     # Each row compiles its own programs (another batch size); XLA:CPU maps each one's code, and
@@ -206,7 +213,8 @@ def _batch_table(name, target, proposer, opts, k, cells):
     best = int(np.argmax(rates[:n_fixed]))
     print(f"| {b} | " + " | ".join(f"{r:.1f}" for r in rates) + f" | {rates[-2] / rates[best]:.2f}x / "
           f"{rates[-1] / rates[best]:.2f}x | {paired(results[-2], results[best]):.2f}x / "
-          f"{paired(results[-1], results[best]):.2f}x | {paired(results[-1], results[0]):.2f}x |", flush=True)
+          f"{paired(results[-1], results[best]):.2f}x | {paired(results[-1], results[best], np.min):.2f}x | "
+          f"{paired(results[-1], results[0]):.2f}x / {paired(results[-1], results[0], np.min):.2f}x |", flush=True)
     lat.append(row)
   print("\n| max_batch | width | ITL p50 / p99 ms | TTFT p50 / p99 s | decode calls |\n|---|---|---|---|---|")
   for row in lat:

@@ -53,6 +53,8 @@ def test_paired_ratio_is_the_median_of_same_round_ratios():
   fast = dict(walls=[2.0, 1.5, 3.0])
   assert serve_bench.paired(fast, slow) == 1.0
   assert serve_bench.paired(dict(walls=[1.0, 1.0, 1.0]), dict(walls=[2.0, 2.0, 4.0])) == 2.0
+  assert serve_bench.paired(dict(walls=[1.0, 1.0, 1.0]), dict(walls=[2.0, 2.0, 4.0]), np.min) == 2.0
+  assert serve_bench.paired(fast, dict(walls=[3.0, 1.2, 3.3]), np.min) == pytest.approx(0.8)
 
 
 def test_scripts_start_from_a_checkout():
