@@ -28,9 +28,9 @@ count, the measured acceptance per position and the measured step time of each w
 width (2k < K) only k modules run: the deeper ones' rows wait (`deferred_rows`) and catch up in one
 call when a wider step needs them (its time charged to the width that waited). A slot capped at
 such a width ("auto" admitted where it wins without catch-ups: `DraftPolicy.cap`) keeps no rows:
-its deeper modules get none, from its prefill on. A request that
-verifies no drafts (num_drafts=0, "auto" admitted where drafts do not pay even alone:
-`DraftPolicy.admits_drafting`, or stopped by `DraftPolicy.keeps_drafting`) gets no module rows.
+its deeper modules get none, from its prefill on. A request that verifies no drafts (num_drafts=0,
+"auto" admitted where drafts do not pay even alone: `DraftPolicy.admits_drafting`, or stopped by
+`DraftPolicy.keeps_drafting`) gets no module rows; a call where no slot drafts runs no module.
 
 Its parts: admission.py (queue, pages, chunked prefill), policy.py (width), grammars.py, metrics.py, calibrate.py.
 """
@@ -80,8 +80,7 @@ class Engine:
     chain = cfg.tree is None and cfg.relaxed is None
     auto = proposer is not None and chain and (cfg.num_drafts is None or cfg.num_drafts == "auto")
     if cfg.num_drafts == "auto" and not auto:
-      raise validate.InvalidValue("num_drafts", 'num_drafts="auto" needs a proposer and a chain without relaxed '
-                                                "acceptance")
+      raise validate.InvalidValue("num_drafts", 'num_drafts="auto" needs a proposer and a chain, no relaxed acceptance')
     d = options.decoding(target, proposer, num_drafts=None if auto or cfg.num_drafts == 0 else cfg.num_drafts,
                          temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p, seed=cfg.seed,
                          eos_token_id=cfg.eos_token_id, relaxed=cfg.relaxed, tree=cfg.tree, grammar=cfg.grammar,
@@ -247,7 +246,8 @@ class Engine:
     step, running, traces, t1 = self._step, self.num_running, programs_built(), time.perf_counter()
     decoding = [slot for slot, rid in enumerate(self._slots) if rid is not None and not self._admission.in_parts(rid)]
     idx_A = self._slot_group(decoding)
-    self._s = jit_run_for(step, *self._models, self._grammars.union, self._s, np.int32(n),
+    proposer = None if step.settings.modules_idle else self._models[1]  # idle: 41 fewer arrays a call (large demo)
+    self._s = jit_run_for(step, self._models[0], proposer, self._grammars.union, self._s, np.int32(n),
                           None if len(idx_A) == len(self._slots) else idx_A, self._read)
     (rows, narrowest), catch_ups = self._waiting, self._catch_ups
     gained, steps = self._collect()
