@@ -16,9 +16,10 @@ the moment all requests arrived.
 Part 2, the trained and the random model: the Engine's tokens/s against max_batch for k = 0 (no
 proposer), 1..K and "auto" (a new policy each pass, which measures as it goes, and a policy
 calibrated before the stream by `Engine.calibrate` and kept), each over a stream of 4 x max_batch
-requests of 112 tokens, long enough for 30 decode calls or more at k = K (96 gave 29 at one slot
-of the trained demo), with the cell's ITL p50 / p99, TTFT p50 / p99 and decode calls (`--json
-PATH` writes every cell; `plots.py` draws tokens/s against max_batch from it).
+requests of 96 tokens, about 30 decode calls at k = K (29 at one slot of the trained demo; at
+112 tokens the process ran out of memory maps at 8 slots, XLA:CPU's "LLVM compilation error:
+Cannot allocate memory"), with the cell's ITL p50 / p99, TTFT p50 / p99 and decode calls
+(`--json PATH` writes every cell; `plots.py` draws tokens/s against max_batch from it).
 
 All greedy. Each configuration runs until a pass compiles nothing (a long-running server compiles
 each program once); then the configurations of a table run in turns, 3 rounds of one pass each,
@@ -53,7 +54,7 @@ except ImportError:  # run as `python benchmarks/x.py` from a checkout that is n
 from mtp_jax import data, demo_models
 
 FULL = dict(num_requests=16, max_batch=8, prompt_lens=(16, 128), output_lens=(16, 64), max_len=256, page_size=32,
-            batches=(1, 2, 4, 8), table_output=112, table_requests=4, passes=6, repeats=3)
+            batches=(1, 2, 4, 8), table_output=96, table_requests=4, passes=6, repeats=3)
 QUICK = dict(num_requests=6, max_batch=2, prompt_lens=(4, 40), output_lens=(4, 24), max_len=96, page_size=16,
              batches=(1, 2), table_output=8, table_requests=2, passes=2, repeats=1)
 
