@@ -7,7 +7,9 @@ order, each batch until its longest request ends (its tokens come back together,
 the batch); the Engine keeps max_batch slots busy, refilling each as its request ends. Rows:
 generate at k = K; the Engine with num_drafts="auto" (its DraftPolicy new in each pass, so it
 measures every width again; kept from the previous pass, as a long-running server keeps its
-step times and acceptance; or calibrated before the stream by `Engine.calibrate`, then kept),
+step times and acceptance; or calibrated before the stream by `Engine.calibrate`, then kept:
+calibrated in a child process and read back from its JSON, as a server loads a calibration made
+before it started),
 with k = K, and without a proposer. Columns: tokens/s and its ratio to generate's (by medians,
 paired, and in the worst round),
 time to first token, inter-token latency and request latency (to the last token) p50 / p99 from
@@ -15,10 +17,9 @@ the moment all requests arrived.
 
 Part 2, the trained and the random model: the Engine's tokens/s against max_batch for k = 0 (no
 proposer), 1..K and "auto" (a new policy each pass, which measures as it goes, and a policy
-calibrated before the stream by `Engine.calibrate` and kept), each over a stream of 4 x max_batch
-requests of 96 tokens, about 30 decode calls at k = K (29 at one slot of the trained demo; at
-112 tokens the process ran out of memory maps at 8 slots, XLA:CPU's "LLVM compilation error:
-Cannot allocate memory"), with the cell's ITL p50 / p99, TTFT p50 / p99 and decode calls
+calibrated before the stream, as in part 1, and kept), each over a stream of 4 x max_batch
+requests of 112 tokens, at least 30 decode calls at k = K, with the cell's ITL p50 / p99, TTFT
+p50 / p99 and decode calls
 (`--json PATH` writes every cell; `plots.py` draws tokens/s against max_batch from it).
 
 All greedy. Each configuration runs until a pass compiles nothing (a long-running server compiles
@@ -37,7 +38,9 @@ Run: python benchmarks/serve_bench.py [--quick] [--json PATH] [--models both|tra
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import sys
 import time
@@ -54,7 +57,7 @@ except ImportError:  # run as `python benchmarks/x.py` from a checkout that is n
 from mtp_jax import data, demo_models
 
 FULL = dict(num_requests=16, max_batch=8, prompt_lens=(16, 128), output_lens=(16, 64), max_len=256, page_size=32,
-            batches=(1, 2, 4, 8), table_output=96, table_requests=4, passes=6, repeats=3)
+            batches=(1, 2, 4, 8), table_output=112, table_requests=4, passes=6, repeats=3)
 QUICK = dict(num_requests=6, max_batch=2, prompt_lens=(4, 40), output_lens=(4, 24), max_len=96, page_size=16,
              batches=(1, 2), table_output=8, table_requests=2, passes=2, repeats=1)
 
@@ -65,6 +68,29 @@ def _requests(n, opts, seed):
   prompts = data.heldout_prompts(n, prompt_len=opts["prompt_lens"][1], seed=seed)
   return [(list(p[:int(rng.integers(*opts["prompt_lens"]))]), int(rng.integers(*opts["output_lens"])))
           for p in prompts]
+
+
+def _models(name: str, kind: str):
+  """(target, proposer): the demo `name` trained, or random ones of its shapes."""
+  target, proposer, _ = demo_models.load_demo(name=name)
+  if kind == "random":
+    return mtp_jax.init_target(target.cfg, 0), mtp_jax.init_mtp(proposer.cfg, 1)
+  return target, proposer
+
+
+def _calibrate_json(name: str, kind: str, max_batch: int, opts) -> str:
+  target, proposer = _models(name, kind)
+  return mtp_jax.Engine(target, proposer, max_batch=max_batch, max_len=opts["max_len"],
+                        page_size=opts["page_size"]).calibrate().to_json()
+
+
+def _calibrated(name: str, kind: str, max_batch: int, opts) -> mtp_jax.serving.DraftPolicy:
+  """`Engine.calibrate`'s policy, measured in a child process and read back from its JSON, as a
+  server reads a calibration made before it started: calibrating compiles a program per width
+  and batch bucket (73 on the large demo at 8 slots) that traffic does not run again, and keeping
+  them here ran XLA:CPU out of memory maps within a row (it maps each kernel's code apart)."""
+  with concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+    return mtp_jax.serving.DraftPolicy.from_json(pool.submit(_calibrate_json, name, kind, max_batch, opts).result())
 
 
 def _q(values, q):
@@ -146,15 +172,14 @@ def paired(r, base, over=np.median) -> float:
   return float(over([b / a for a, b in zip(r["walls"], base["walls"])]))
 
 
-def _stream_table(name, target, proposer, opts, k):
+def _stream_table(name, target, proposer, opts, k, models):
   requests = _requests(opts["num_requests"], opts, seed=1)
   tokens = sum(m for _, m in requests)
   b = opts["max_batch"]
   for w in range(k):  # compiles the narrower steps "auto" may pick (k=K is compiled by its own row)
     _engine_pass(target, proposer, requests, opts, w, b)
   policy = mtp_jax.serving.DraftPolicy(k)  # kept from one pass to the next, as a long-running server keeps it
-  calibrated = mtp_jax.Engine(target, proposer, max_batch=b, max_len=opts["max_len"],
-                              page_size=opts["page_size"]).calibrate()  # measured before the stream, then kept
+  calibrated = _calibrated(*models, b, opts)  # measured before the stream, then kept
   engine = lambda prop, nd, pol=None: lambda: _engine_pass(target, prop, requests, opts, nd, b, pol)
   runs = [("fixed generate batches, k=K", lambda: _generate_pass(target, proposer, requests, b)),
           ('Engine, "auto", measuring from scratch', engine(proposer, "auto")),
@@ -180,7 +205,7 @@ def _stream_table(name, target, proposer, opts, k):
           f"{equal}/{len(requests)} |")
 
 
-def _batch_table(name, target, proposer, opts, k, cells):
+def _batch_table(name, target, proposer, opts, k, cells, models):
   """Tokens/s against max_batch for every fixed width and "auto"; each cell also goes to `cells`."""
   widths = [("0", None, None)] + [(str(w), proposer, w) for w in range(1, k + 1)] + [
       ("auto", proposer, "auto"), ("auto, calibrated", proposer, "calibrated")]
@@ -198,8 +223,7 @@ def _batch_table(name, target, proposer, opts, k, cells):
     jax.clear_caches()
     requests = [(p, opts["table_output"]) for p, _ in _requests(opts["table_requests"] * b, opts, seed=2)]
     tokens = len(requests) * opts["table_output"]
-    calibrated = mtp_jax.Engine(target, proposer, max_batch=b, max_len=opts["max_len"],
-                                page_size=opts["page_size"]).calibrate()
+    calibrated = _calibrated(*models, b, opts)
     run = lambda prop, nd: lambda: _engine_pass(target, prop, requests, opts, "auto" if nd == "calibrated" else nd,
                                                 b, calibrated if nd == "calibrated" else None)
     rates, row = [], []
@@ -237,20 +261,20 @@ def main(argv=None) -> None:
   quick = args.quick
   opts = dict(QUICK if quick else FULL, **({} if args.batches is None else dict(batches=tuple(args.batches))))
   name = "small" if quick else demo_models.default_demo()
-  target, proposer, _ = demo_models.load_demo(name=name)
+  target, proposer = _models(name, "trained")
   k = proposer.cfg.num_modules
-  random_target = mtp_jax.init_target(target.cfg, 0)
-  random_proposer = mtp_jax.init_mtp(proposer.cfg, 1)
+  random_target, random_proposer = _models(name, "random")
   print(f"# serve_bench ({jax.devices()[0].platform}, {os.cpu_count()} CPUs, load average at start "
         f"{os.getloadavg()[0]:.2f})")
-  models = [(f"trained {name} demo", target, proposer), (f"random {name}-shaped", random_target, random_proposer)]
-  models = [m for m, key in zip(models, ("trained", "random")) if args.models in ("both", key)]
-  for label, t, p in models if args.parts != "2" else ():
+  models = [(f"trained {name} demo", target, proposer, "trained"),
+            (f"random {name}-shaped", random_target, random_proposer, "random")]
+  models = [m for m in models if args.models in ("both", m[3])]
+  for label, t, p, kind in models if args.parts != "2" else ():
     jax.clear_caches()
-    _stream_table(f"{label} model", t, p, opts, k)
+    _stream_table(f"{label} model", t, p, opts, k, (name, kind))
   cells = []
-  for label, t, p in models if args.parts != "1" else ():
-    _batch_table(label, t, p, opts, k, cells)
+  for label, t, p, kind in models if args.parts != "1" else ():
+    _batch_table(label, t, p, opts, k, cells, (name, kind))
   if args.json:
     args.json.write_text(json.dumps(dict(benchmark="serve_bench", backend=jax.default_backend(),
                                          device_kind=jax.devices()[0].device_kind, jax_version=jax.__version__,

@@ -294,3 +294,25 @@ def test_drafting_requests_stop_together_once_none_of_their_drafts_pays():
   for rid in [*ids, fixed]:
     req = engine.requests[rid]
     assert req.tokens == _alone(tuple(req.prompt))[:req.max_new_tokens]
+
+
+def test_probe_requests_come_less_often_while_they_keep_failing():
+  """Where drafts do not pay, every PROBE_REQUEST_EVERY-th declined admission is a probe; after
+  each probe that stopped drafting the next waits twice as long (at most PROBE_BACKOFF_MAX
+  doublings), and once drafts pay again the spacing is back to PROBE_REQUEST_EVERY."""
+  policy = DraftPolicy(K)
+  for k in range(K + 1):
+    policy.record(k, 1, 1.0 + 0.3 * k)
+  policy.observe([0] * K, [40] * K)
+  every = DraftPolicy.PROBE_REQUEST_EVERY
+
+  def probes(admissions):
+    return [i for i in range(1, admissions + 1) if policy.admits_drafting() and policy.probe_admitted]
+
+  assert probes(2 * every) == [every, 2 * every]
+  policy.probes_failed = 1
+  assert probes(4 * every) == [2 * every, 4 * every]  # 2 * every apart
+  policy.probes_failed = 10
+  assert len(probes(64 * every)) == 64 // (1 << DraftPolicy.PROBE_BACKOFF_MAX)
+  policy.observe([400] * K, [400] * K)  # drafts pay again
+  assert policy.admits_drafting() and policy.probes_failed == 0

@@ -88,3 +88,22 @@ def slot_group(slots: list[int], occupied: list[bool], may_group: bool = True) -
     a = b
   rest = sorted(set(range(b)) - set(slots), key=lambda i: occupied[i])
   return np.asarray(list(slots) + rest[:a - len(slots)], np.int32)
+
+
+def prefill_groups(slots: list[int], occupied: list[bool], may_group: bool = True) -> list[np.ndarray]:
+  """The slot groups (int32[A] each, as `slot_group`) whose prefills write `slots` (occupied[i]:
+  slot i holds a request, `slots` included): one group when it takes no slot that holds another
+  request; else `slots` in chunks of powers of two, largest first, each a group of exactly its
+  slots. A prefill's page span must cover every slot of its group, and a running request's pages
+  would widen it past its prompts' (a slower call, and a program per such span). Not may_group
+  (on a mesh): every slot, in one group."""
+  others = [held and i not in slots for i, held in enumerate(occupied)]
+  group = slot_group(slots, others, may_group)
+  if not may_group or not any(others[i] for i in group):
+    return [group]
+  groups, rest = [], list(slots)
+  while rest:
+    a = 1 << (len(rest).bit_length() - 1)
+    groups.append(np.asarray(rest[:a], np.int32))
+    rest = rest[a:]
+  return groups

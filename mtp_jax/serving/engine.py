@@ -51,7 +51,7 @@ from mtp_jax.blocks.pages import PageRead, budget_bucket
 from mtp_jax.mtp import MtpModel
 from mtp_jax.serving import options
 from mtp_jax.serving.grammars import GrammarUnion
-from mtp_jax.serving.admission import Admission, slot_group
+from mtp_jax.serving.admission import Admission, prefill_groups, slot_group
 from mtp_jax.serving.calibrate import calibrate
 from mtp_jax.serving.metrics import Tally
 from mtp_jax.serving.policy import DraftPolicy, programs_built
@@ -245,7 +245,7 @@ class Engine:
     self._respan(self._step.rows_next(self._s) * self.steps_per_call, self._next_span)
     step, running, traces, t1 = self._step, self.num_running, programs_built(), time.perf_counter()
     decoding = [slot for slot, rid in enumerate(self._slots) if rid is not None and not self._admission.in_parts(rid)]
-    idx_A = self._slot_group(decoding)
+    idx_A = slot_group(decoding, [r is not None for r in self._slots], step.settings.mesh is None)
     proposer = None if step.settings.modules_idle else self._models[1]  # idle: 41 fewer arrays a call (large demo)
     self._s = jit_run_for(step, self._models[0], proposer, self._grammars.union, self._s, np.int32(n),
                           None if len(idx_A) == len(self._slots) else idx_A, self._read)
@@ -280,6 +280,7 @@ class Engine:
       self._s = jit_stop_drafting(self._base, self._s, np.isin(np.arange(self.max_batch), [r.slot for r in drafting]))
       for r in drafting:
         r.drafting = False
+      self.policy.probes_failed += any(r.probe for r in drafting)
     # Fixed requests and "auto" ones capped at admission (`DraftPolicy.cap`) ask for their own width.
     k = max((r.draft_cap(self.max_drafts) for r in running if r.num_drafts != "auto" or r.cap < self.max_drafts),
             default=0)
@@ -331,8 +332,9 @@ class Engine:
         req.cap = self.policy.cap(self.num_running) if req.drafting and not req.probe else self.max_drafts
     if part is not None:
       self._prefill_part(part)
-    if whole:
-      self._prefill(whole)
+    occupied = [r is not None for r in self._slots]
+    for group in prefill_groups([r.slot for r in whole], occupied, self._step.settings.mesh is None) if whole else ():
+      self._prefill([r for r in whole if r.slot in group], group)
 
   def _prefill_part(self, req: Request) -> None:
     """Writes the next prefill_chunk tokens of req's prompt into its slot (not its last part)."""
@@ -346,15 +348,14 @@ class Engine:
                                prompt_1xT, len_1, next_1xT, self._read_for(slot_1, len_1), drafting_1)
     req.prefilled += c
 
-  def _prefill(self, admitted: list[Request]) -> None:
-    """Prefills the (rest of the) prompts of admitted requests and starts their decoding."""
+  def _prefill(self, admitted: list[Request], idx_A: np.ndarray) -> None:
+    """Prefills the (rest of the) prompts of admitted requests and starts their decoding, in one
+    call over the slots idx_A (int32[A]: theirs first, in order, then free ones)."""
     self._next_span = None  # the prefill takes pages
     self._use_grammars([r.grammar for r in admitted if r.grammar is not None])
     n = len(admitted)
-    prompts = [r.prompt[r.prefilled:] for r in admitted]
-    idx_A = self._slot_group([r.slot for r in admitted])
     a = len(idx_A)
-    prompts_AxT, lens_A = padded_prompts(prompts, a, range(n))
+    prompts_AxT, lens_A = padded_prompts([r.prompt[r.prefilled:] for r in admitted], a, range(n))
     admit_A, max_new_A = np.arange(a) < n, np.zeros((a,), np.int32)
     gstart_A = np.full((a,), grammar_lib.FREE, np.int32)
     for i, r in enumerate(admitted):
@@ -363,14 +364,13 @@ class Engine:
         gstart_A[i] = self._grammars.start(r.grammar)
     slots = slot_settings(admitted, a, vocab_size=self.target.cfg.vocab_size, max_drafts=self.max_drafts,
                           seed=self.defaults.seed)
-    # Requests capped below K (or not drafting) need none of the deeper modules' prompt rows.
+    # Requests capped below K need none of the deeper modules' prompt rows; with none drafting, the
+    # modules get no rows, so the call needs no proposer (its state passes through).
     widest = max(r.draft_cap(self.max_drafts) for r in admitted)
     step = self._base if widest in (0, self.max_drafts) else self._base.replace(verify_drafts=widest)
-    self._s = jit_prefill(step, *self._models, self._grammars.union, self._s, prompts_AxT, lens_A, admit_A,
-                          gstart_A, max_new_A, slots, idx_A, self._read_for(idx_A, lens_A))
-
-  def _slot_group(self, slots: list[int]) -> np.ndarray:
-    return slot_group(slots, [r is not None for r in self._slots], self._step.settings.mesh is None)
+    self._s = jit_prefill(step, self._models[0], self._models[1] if widest else None, self._grammars.union,
+                          self._s, prompts_AxT, lens_A, admit_A, gstart_A, max_new_A, slots, idx_A,
+                          self._read_for(idx_A, lens_A))
 
   def _read_for(self, idx_A, num_new_A) -> PageRead:
     """How a call adding num_new_A rows to the slots idx_A reads its pages: their pages only, the

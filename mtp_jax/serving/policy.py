@@ -49,9 +49,11 @@ class DraftPolicy:
   speculation off (and a probe brings it back for them when their drafts start to pass), while the
   others keep drafting; with one request running this is a per-request switch. A request admitted
   where drafts do not pay even alone (`admits_drafting`) runs no module for its whole life, bar one
-  probe request in PROBE_REQUEST_EVERY; drafting ones stop when none's own drafts pay alone any
-  more (`keeps_drafting`). Every TURN_EVERY-th call at a bucket runs the runner-up instead when it
-  is within TURN_WITHIN of the best (such widths are ranked by noise until timed again), and every
+  probe request in PROBE_REQUEST_EVERY (twice as few after each probe in a row whose drafts did not
+  pay, down to one in PROBE_REQUEST_EVERY << PROBE_BACKOFF_MAX, until drafts pay); drafting ones
+  stop when none's own drafts pay alone any more (`keeps_drafting`). Every TURN_EVERY-th call at a
+  bucket runs the runner-up instead when it is within TURN_WITHIN of the best (such widths are
+  ranked by noise until timed again), and every
   RETIME_EVERY-th the width timed longest ago among those within RETIME_WITHIN of the best, so one
   slow sample cannot bar a width for good (both only where neither width defers the deeper
   modules: such a turn would cost a catch-up); a width's time is the median of its recent calls
@@ -71,6 +73,10 @@ class DraftPolicy:
   # A probe request runs the modules over its whole admission group's prompts and its rows' catch-ups:
   # at 1 in 16 that cost a tenth of the tokens/s of 8 slots whose drafts all fail.
   PROBE_REQUEST_EVERY: typing.ClassVar[int] = 64  # admissions declined between probe requests
+  # A probe request makes every call of its batch verify a draft while it measures: on the random
+  # large demo at 8 slots its 3 calls cost 60 ms a pass more (1.2% of the pass), so probes that keep
+  # failing come less often.
+  PROBE_BACKOFF_MAX: typing.ClassVar[int] = 4
   RETIME_EVERY: typing.ClassVar[int] = 16  # calls at a bucket between runs of its stalest width
   TURN_EVERY: typing.ClassVar[int] = 8  # calls at a bucket between turns of a runner-up within TURN_WITHIN
   TURN_WITHIN: typing.ClassVar[float] = 0.95  # of the best width's gain
@@ -83,6 +89,7 @@ class DraftPolicy:
   choices: dict = dataclasses.field(default_factory=dict)  # bucket -> calls chosen by their measured gain
   declined: int = 0  # admissions `admits_drafting` declined
   probe_admitted: bool = False  # the last admission `admits_drafting` answered was a probe request's
+  probes_failed: int = 0  # probe requests in a row that stopped drafting (the Engine counts them)
   recorded: int = 0  # samples recorded so far (the clock of timed_at)
   timed_at: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> `recorded` at its latest sample
   steps_at: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> steps run there, all told
@@ -165,15 +172,18 @@ class DraftPolicy:
   def admits_drafting(self) -> bool:
     """Whether a request admitted now drafts for its whole life: where drafts do not pay even for
     a request alone (`drafts_pay`: its acceptance has collapsed, not merely the batch grown),
-    one runs no module at all (no prefill, no catch-up), except every PROBE_REQUEST_EVERY-th, admitted
-    drafting as a probe (`probe_admitted`; while it is `measuring`, calls where k = 0 wins run
-    k = 1: `choose(probing=)`), so acceptance is still measured and speculation comes back for
-    later requests once drafts pay again."""
+    one runs no module at all (no prefill, no catch-up), except every PROBE_REQUEST_EVERY-th
+    (doubled for each of `probes_failed`, at most PROBE_BACKOFF_MAX times), admitted drafting as a
+    probe (`probe_admitted`; while it is `measuring`, calls where k = 0 wins run k = 1:
+    `choose(probing=)`), so acceptance is still measured and speculation comes back for later
+    requests once drafts pay again."""
     self.probe_admitted = False
     if self.held is not None or self.drafts_pay():
+      self.probes_failed = 0
       return True
     self.declined += 1
-    self.probe_admitted = self.declined % self.PROBE_REQUEST_EVERY == 0
+    every = self.PROBE_REQUEST_EVERY << min(self.probes_failed, self.PROBE_BACKOFF_MAX)
+    self.probe_admitted = self.declined % every == 0
     return self.probe_admitted
 
   def cap(self, num_running: int) -> int:

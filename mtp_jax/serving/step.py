@@ -204,8 +204,9 @@ class DecodeStep:
     costs B x T rows of the target for the few admitted). A slot whose earlier prompt parts
     `prefill_part` wrote gets its last part here: its rows continue after them. Not on a mesh
     (A need not divide the data axis). read: how the call reads its pages (static `PageRead`).
-    A step narrower than its proposer (verify width c < K) runs modules 0..c-1 only, for slots
-    capped at c (num_drafts <= c: their deeper modules' drafts are never verified)."""
+    A step at verify width c < K runs modules 0..c-1 only, for slots capped at c (num_drafts <= c).
+    proposer None with a proposer state: no admitted slot drafts; their module rows stay as `free`
+    left them (none; num_drafted 0, so a stale draft is never verified)."""
     if idx_A is not None:
       return self._on_slots(s, idx_A, lambda sub: self.prefill(
           target, proposer, grammar, sub, prompts_BxT, lens_B, admit_B, gstart_B, max_new_B, slots, read=read))
@@ -277,8 +278,7 @@ class DecodeStep:
     """fn applied to the A-slot state of slots idx_A (int32[A], distinct), its slots put back."""
     return put_slots(s, fn(take_slots(s, idx_A)), idx_A)
 
-  def _stop_out_of_pages(self, s: LoopState) -> LoopState:
-    # A sequence refused a page stops; the others go on (its pages and rows are its own).
+  def _stop_out_of_pages(self, s: LoopState) -> LoopState:  # a slot refused a page stops; the others go on
     return s.set(done=s.done | s.out_of_pages)
 
   def __call__(self, target, proposer, grammar, s: LoopState, read: PageRead = WHOLE_POOL) -> LoopState:
