@@ -59,7 +59,7 @@ from mtp_jax.serving.requests import Request, check_eos, check_grammar, slot_set
 from mtp_jax.serving.generate import MIN_CAPACITY, padded_prompts
 from mtp_jax.serving.options import EngineConfig, Paging, StepSettings
 from mtp_jax.serving.step import DecodeStep, defers
-from mtp_jax.serving.jit import (FlatModel, jit_free, jit_prefill, jit_prefill_part, jit_run_for, jit_span_needed,
+from mtp_jax.serving.jit import (FlatModel, jit_free, jit_prefill, jit_prefill_part, jit_span_needed, run_for_lean,
                                  jit_stop_drafting)
 from mtp_jax.target import TargetModel
 
@@ -247,8 +247,8 @@ class Engine:
     decoding = [slot for slot, rid in enumerate(self._slots) if rid is not None and not self._admission.in_parts(rid)]
     idx_A = slot_group(decoding, [r is not None for r in self._slots], step.settings.mesh is None)
     proposer = None if step.settings.modules_idle else self._models[1]  # idle: 41 fewer arrays a call (large demo)
-    self._s = jit_run_for(step, self._models[0], proposer, self._grammars.union, self._s, np.int32(n),
-                          None if len(idx_A) == len(self._slots) else idx_A, self._read)
+    self._s = run_for_lean(step, self._models[0], proposer, self._grammars.union, self._s, np.int32(n),
+                           None if len(idx_A) == len(self._slots) else idx_A, self._read)
     (rows, narrowest), catch_ups = self._waiting, self._catch_ups
     gained, steps = self._collect()
     now, k = time.perf_counter(), step.settings.verify_width
