@@ -246,8 +246,7 @@ class Engine:
     step, running, traces, t1 = self._step, self.num_running, programs_built(), time.perf_counter()
     decoding = [slot for slot, rid in enumerate(self._slots) if rid is not None and not self._admission.in_parts(rid)]
     idx_A = slot_group(decoding, [r is not None for r in self._slots], step.settings.mesh is None)
-    proposer = None if step.settings.modules_idle else self._models[1]  # idle: 41 fewer arrays a call (large demo)
-    self._s = run_for_lean(step, self._models[0], proposer, self._grammars.union, self._s, np.int32(n),
+    self._s = run_for_lean(step, *self._models, self._grammars.union, self._s, np.int32(n),
                            None if len(idx_A) == len(self._slots) else idx_A, self._read)
     (rows, narrowest), catch_ups = self._waiting, self._catch_ups
     gained, steps = self._collect()

@@ -53,10 +53,10 @@ class DraftPolicy:
   pay, down to one in PROBE_REQUEST_EVERY << PROBE_BACKOFF_MAX, until drafts pay); drafting ones
   stop when none's own drafts pay alone any more (`keeps_drafting`). Every TURN_EVERY-th call at a
   bucket runs the runner-up instead when it is within TURN_WITHIN of the best (such widths are
-  ranked by noise until timed again), and every
-  RETIME_EVERY-th the width timed longest ago among those within RETIME_WITHIN of the best, so one
-  slow sample cannot bar a width for good (both only where neither width defers the deeper
-  modules: such a turn would cost a catch-up); a width's time is the median of its recent calls
+  ranked by noise until timed again), and every RETIME_EVERY-th the width timed longest ago among
+  those within RETIME_WITHIN of the best, so one slow sample cannot bar a width for good (both
+  only where neither width defers the deeper modules: such a turn would cost a catch-up); a
+  width's time is the median of its recent calls
   plus the catch-ups it caused, spread over its steps (`step_seconds`). A call during which JAX
   built a program (traced, then compiled or read it from a cache) is not a sample. So a step
   drafts like k = K where drafts pay (few requests, high acceptance) and less, down to 0, where
