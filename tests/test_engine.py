@@ -359,6 +359,45 @@ def test_requests_capped_at_a_narrow_width_keep_no_rows_and_stay_exact(steps_per
     assert engine.requests[rid].tokens == _alone(tuple(engine.requests[rid].prompt))[:20]
 
 
+def test_calls_whose_requests_are_all_capped_at_their_width_run_no_deeper_module():
+  """Two requests capped at K - 1 (a width that does not defer: `DraftPolicy.cap`) and a fixed
+  num_drafts=K - 1 one: their calls run modules 0..K-2 only (`deeper_idle`), so the last module
+  holds no row of theirs, and their timings go to `capped_seconds`; an uncapped request admitted
+  later turns it off (the deeper module catches up on its rows). Each step's drafts up to each
+  slot's cap equal those of an engine that keeps every module current, and every request equals
+  generate alone."""
+  engines = [Engine(TARGET5, PROPOSER5, max_batch=4, max_len=64, page_size=2, num_pages=64,
+                    draft_policy=_Capping([K - 1, K] * 30, caps=[K - 1, K - 1]), steps_per_call=2,
+                    deferred_rows=rows) for rows in (0, 32)]
+  ref, engine = engines
+  for e in engines:
+    ids = [e.add_request([1, 2, 3], 20), e.add_request([4, 0, 1], 20), e.add_request([3, 1], 16, num_drafts=K - 1)]
+    e.step()
+  assert engine._step.settings.deeper_idle and engine.metrics()["verify_width"] == K - 1
+  for e in engines:
+    e.step()
+  assert engine.policy.capped_seconds and not engine.policy.seconds
+  lengths_KxB = np.asarray(engine._s.proposer.lengths)
+  slots = [engine.requests[rid].slot for rid in ids]
+  assert all(lengths_KxB[K - 2, b] > 0 and not lengths_KxB[K - 1, b].any() for b in slots)
+  for e in engines:
+    e.step()
+    ids.append(e.add_request([2, 2, 4, 1], 20))
+  idle = []
+  while engine.num_running or engine.num_waiting:
+    for e in engines:
+      e.step()
+    idle.append(engine._step.settings.deeper_idle)
+    live = ~np.asarray(engine._s.done)
+    cap_B = np.asarray(engine._s.slots.num_drafts)
+    for b in np.flatnonzero(live):
+      np.testing.assert_array_equal(np.asarray(engine._s.drafts)[b, :cap_B[b]], np.asarray(ref._s.drafts)[b, :cap_B[b]])
+  assert not all(idle)  # the uncapped request ran the deeper module
+  for rid in ids:
+    req = engine.requests[rid]
+    assert req.tokens == _alone(tuple(req.prompt))[:req.max_new_tokens], rid
+
+
 def test_steps_where_no_request_drafts_run_no_module():
   """While every running request verifies no drafts a step runs no module (`modules_idle`: the
   proposer's state passes through); a drafting request admitted later drafts from its own

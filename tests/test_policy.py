@@ -21,6 +21,9 @@ def test_calibrate_times_every_width_and_bucket_before_traffic():
   engine = Engine(TARGET5, PROPOSER5, max_batch=2, max_len=64, page_size=2, num_pages=64)
   policy = engine.calibrate(calls=2)
   assert all(len(policy.seconds[k, b]) >= 2 for k in range(K + 1) for b in (1, 2))
+  # Widths under K are also timed with their requests capped there (the deeper modules idle).
+  assert all(len(policy.capped_seconds[k, b]) >= 2 for k in range(1, K) for b in (1, 2))
+  assert len(policy.capped_seconds) == 2 * (K - 1)
   # K = 3: width 1 leaves modules 1 and 2 behind, and ran until one of their catch-ups (past 32
   # rows waiting: the requests' 44 new tokens fill them) was charged to it.
   assert all((1, b) in policy.catch_up_seconds for b in (1, 2))
@@ -171,9 +174,10 @@ def test_a_catch_up_is_charged_to_the_width_whose_rows_waited():
   assert not fresh.seconds and not fresh.catch_up_seconds
 
 
-def test_requests_are_capped_where_a_deferring_width_wins_without_its_catch_ups():
+def test_requests_are_capped_where_a_narrower_width_wins_without_the_deeper_modules():
   """`cap`: a request admitted where a deferring width (2k < K), timed without catch-up charges,
-  beats every width at its charged time is capped there (its rows never wait, so it pays none);
+  or a width timed with its requests capped there (`capped_seconds`), beats every width at its
+  charged time is capped there (the deeper modules get none of its rows, so it pays for none);
   elsewhere, or before the bucket is timed, it may verify all K."""
   policy = DraftPolicy(3)
   assert policy.cap(4) == 3  # nothing timed at the bucket
@@ -190,15 +194,24 @@ def test_requests_are_capped_where_a_deferring_width_wins_without_its_catch_ups(
   for _ in range(3):
     policy.record(1, 4, 0.036, steps=4)  # k = 1 now takes 9 ms a step even without a catch-up
   assert policy.cap(4) == 3
+  # A width that does not defer caps where its calls with the deeper modules idle win (k = 2 at
+  # 7 ms a step capped, against 10 ms for k = 2 and 3 as uncapped requests run them).
+  policy.record(2, 4, 0.028, steps=4, capped=True)
+  assert policy.capped_seconds[2, 4] and policy.choose(4) == 3 and policy.cap(4) == 2
+  policy.record(2, 4, 0.044, steps=4, capped=True)
+  policy.record(2, 4, 0.044, steps=4, capped=True)  # now 11 ms a step capped: it no longer wins
+  assert policy.cap(4) == 3
 
 
 def test_a_measured_policy_round_trips_through_json_and_starts_a_served_engine(tmp_path):
   policy = DraftPolicy(K)
   policy.record(2, 3, 0.02, steps=4)
   policy.record(0, 1, 0.01)
+  policy.record(1, 3, 0.01, steps=2, capped=True)
   policy.observe([5, 3, 1], [9, 9, 9])
   again = DraftPolicy.from_json(policy.to_json())
   assert again.seconds == policy.seconds and again.rates() == policy.rates()
+  assert again.capped_seconds == policy.capped_seconds and list(again.capped_seconds) == [(1, 4)]
   assert again.choose(3) == policy.choose(3)
   with pytest.raises(ValueError, match="not a DraftPolicy's JSON"):
     DraftPolicy.from_json('{"max_drafts": 3}')

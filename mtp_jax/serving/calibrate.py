@@ -16,14 +16,14 @@ if TYPE_CHECKING:
 
 def calibrate(engine: Engine, *, calls: int = 3, prompt_len: int = 16) -> DraftPolicy:
   """At every batch bucket (1, 2, 4, .. max_batch running requests) and every width k = K..0,
-  runs synthetic requests (prompt_len tokens, num_drafts=k) on `engine` until `calls` decode calls
-  that built no program were timed into its policy, and, at a width that leaves the deeper
-  modules' rows waiting (0 < k, 2k < K), until one catch-up was charged to it (`DraftPolicy.record`):
-  its time per step includes its catch-ups from the start. There the requests are "auto" ones,
-  uncapped, under the policy held at k (`DraftPolicy.held`): a request of num_drafts=k verifies
-  no deeper draft, so its rows would not wait. The acceptance counts and the engine's
-  metrics are left as they were (synthetic prompts say nothing about real ones). Needs an "auto"
-  engine with nothing running or waiting; returns its `DraftPolicy`."""
+  runs synthetic requests (prompt_len tokens) on `engine` until `calls` decode calls that built
+  no program were timed into its policy. At 0 < k < K twice: as "auto" requests run it, uncapped
+  under the policy held at k (`DraftPolicy.held`; the deeper modules catch up on their rows, or,
+  where k defers them (2k < K), their rows wait until one catch-up was charged to k:
+  `DraftPolicy.record`), then as requests of num_drafts=k (the deeper modules idle:
+  `DraftPolicy.capped_seconds`, which `DraftPolicy.cap` weighs). The acceptance counts and the
+  engine's metrics are left as they were (synthetic prompts say nothing about real ones). Needs
+  an "auto" engine with nothing running or waiting; returns its `DraftPolicy`."""
   calls = validate.positive_int("calls", calls)
   policy = engine.policy
   if policy is None:
@@ -44,14 +44,15 @@ def calibrate(engine: Engine, *, calls: int = 3, prompt_len: int = 16) -> DraftP
     if fits < 1:
       raise validate.InvalidValue("prompt_len", f"{bucket} calibration requests of prompt_len={prompt_len} do not "
                                                 f"fit in num_pages={engine.num_pages} pages together")
-    for k in range(engine.max_drafts, -1, -1):
-      key = (k, DraftPolicy.bucket(bucket))
-      waits = 0 < k and defers(k, engine.max_drafts) and cfg.deferred_rows > 0
-      policy.held = k if waits else None
-      ids = [engine.add_request(prompt, min(new, fits), num_drafts="auto" if waits else k) for _ in range(bucket)]
-      before, charged = len(policy.seconds.get(key, ())), policy.catch_up_seconds.get(key)
+    full = engine.max_drafts
+    for k, held in [(full, False)] + [(k, h) for k in range(full - 1, 0, -1) for h in (True, False)] + [(0, False)]:
+      key, table = (k, DraftPolicy.bucket(bucket)), policy.seconds if held or k in (0, full) else policy.capped_seconds
+      waits = held and defers(k, full) and cfg.deferred_rows > 0
+      policy.held = k if held else None
+      ids = [engine.add_request(prompt, min(new, fits), num_drafts="auto" if held else k) for _ in range(bucket)]
+      before, charged = len(table.get(key, ())), policy.catch_up_seconds.get(key)
       try:
-        while (engine.num_running or engine.num_waiting) and (len(policy.seconds.get(key, ())) < before + calls or
+        while (engine.num_running or engine.num_waiting) and (len(table.get(key, ())) < before + calls or
                                                               waits and policy.catch_up_seconds.get(key) == charged):
           engine.step()
       finally:

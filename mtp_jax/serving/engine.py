@@ -27,12 +27,13 @@ Speculation adapts (`num_drafts="auto"`, `DraftPolicy`): each call's width follo
 count, the measured acceptance per position and the measured step time of each width; at a narrow
 width (2k < K) only k modules run: the deeper ones' rows wait (`deferred_rows`) and catch up in one
 call when a wider step needs them (its time charged to the width that waited). A slot capped at
-such a width ("auto" admitted where it wins without catch-ups: `DraftPolicy.cap`) keeps no rows:
-its deeper modules get none, from its prefill on. A request that verifies no drafts (num_drafts=0,
-"auto" admitted where drafts do not pay even alone: `DraftPolicy.admits_drafting`, or stopped by
-`DraftPolicy.keeps_drafting`) gets no module rows; a call where no slot drafts runs no module.
-
-Its parts: admission.py (queue, pages, chunked prefill), policy.py (width), grammars.py, metrics.py, calibrate.py.
+c < K ("auto" admitted where c wins without the deeper modules: `DraftPolicy.cap`; a fixed
+num_drafts=c) gets no rows of the deeper modules from its prefill on, and a call whose slots are
+all capped at its width runs none of them (`deeper_idle`). A request that verifies no drafts
+(num_drafts=0, "auto" admitted where drafts do not pay even alone: `DraftPolicy.admits_drafting`,
+or stopped by `DraftPolicy.keeps_drafting`) gets no module rows; a call where no slot drafts runs
+no module. Its parts: admission.py (queue, pages, chunked prefill), policy.py (width), grammars.py,
+metrics.py, calibrate.py.
 """
 
 from __future__ import annotations
@@ -253,7 +254,7 @@ class Engine:
     now, k = time.perf_counter(), step.settings.verify_width
     if self.policy is not None and steps and programs_built() == traces:  # else it built a program
       of = None if self._catch_ups == catch_ups else min(k, narrowest) if rows else k  # whose rows caught up
-      self.policy.record(k, running, now - t1, steps, of)
+      self.policy.record(k, running, now - t1, steps, of, capped=step.settings.deeper_idle)
     self.tally.calls += 1
     self.tally.call_seconds += now - t0
     return gained
@@ -280,26 +281,27 @@ class Engine:
       for r in drafting:
         r.drafting = False
       self.policy.probes_failed += any(r.probe for r in drafting)
+    caps = [r.draft_cap(self.max_drafts) for r in running]  # K for "auto" ones drafting uncapped
     # Fixed requests and "auto" ones capped at admission (`DraftPolicy.cap`) ask for their own width.
-    k = max((r.draft_cap(self.max_drafts) for r in running if r.num_drafts != "auto" or r.cap < self.max_drafts),
-            default=0)
+    k = max((c for c, r in zip(caps, running) if r.num_drafts != "auto" or r.cap < self.max_drafts), default=0)
     if any(r.num_drafts == "auto" and r.drafting and r.cap == self.max_drafts for r in running):
       # A request that does not draft adds its one token a step whatever the width.
       scales = [self.policy.request_scale(r.drafts_accepted, r.drafts_verified) if r.drafting else 0.0
                 for r in running]
       probing = any(r.probe and r.drafting and self.policy.measuring(r.drafts_verified) for r in running)
       k = max(k, self.policy.choose(len(running), scales, probing))
-    # No running request drafts: the step carries the proposer's state through untouched (its
-    # bookkeeping cost 7% of the steps of 8 slots that run no module).
+    # No running request drafts: the proposer's state passes through (its upkeep cost 7% at 8 slots).
     idle = self.proposer is not None and not any(r.num_drafts != 0 and r.drafting for r in running)
     # Whether a slot may have to catch up in the call (`StepSettings.may_catch_up`), from the last read.
     (rows, narrowest), deferring = self._waiting, defers(k, self.max_drafts)
     check = rows > 0 and (not deferring or narrowest < k) or (
         deferring and rows + self.steps_per_call * (k + 1) > self._base.settings.deferred_rows)
+    # Every running request capped at k or under, none with rows waiting: the deeper modules idle.
+    deeper = 0 < k < self.max_drafts and not rows and max(caps) <= k
     st = self._step.settings
-    if (k, idle, check) != (st.verify_width, st.modules_idle, st.may_catch_up):
+    if (k, idle, check, deeper) != (st.verify_width, st.modules_idle, st.may_catch_up, st.deeper_idle):
       self._step = self._step.replace(verify_drafts=None if k == self.max_drafts else k, modules_idle=idle,
-                                      may_catch_up=check)
+                                      may_catch_up=check, deeper_idle=deeper)
       self._next_span = None  # read for the old width's rows
 
   def _expire(self, now: float) -> None:
@@ -352,8 +354,7 @@ class Engine:
     call over the slots idx_A (int32[A]: theirs first, in order, then free ones)."""
     self._next_span = None  # the prefill takes pages
     self._use_grammars([r.grammar for r in admitted if r.grammar is not None])
-    n = len(admitted)
-    a = len(idx_A)
+    n, a = len(admitted), len(idx_A)
     prompts_AxT, lens_A = padded_prompts([r.prompt[r.prefilled:] for r in admitted], a, range(n))
     admit_A, max_new_A = np.arange(a) < n, np.zeros((a,), np.int32)
     gstart_A = np.full((a,), grammar_lib.FREE, np.int32)

@@ -103,14 +103,15 @@ def run_for_lean(step: DecodeStep, target, proposer, grammar, s: LoopState, max_
   """`jit_run_for` with what the call passes through untouched held out of it (and the state's
   parts put back after): with idle modules (`StepSettings.modules_idle`) the proposer's weights
   (41 arrays on the large demo), its state and the waiting rows (`Deferred`); at a width that
-  does not defer, with no row to catch up
-  (`may_catch_up` False), the waiting-row buffers (the step then runs as one with
+  does not defer, with no row to catch up (`may_catch_up` False), or with the deeper modules
+  idle (`deeper_idle`), the waiting-row buffers (the step then runs as one with
   deferred_rows=0). Measured on the trained large demo at 1 slot, an "auto" engine's call at
   k = K carrying them took 38.3 ms against 37.2 ms for a fixed k = K engine's."""
   st, held = step.settings, {}
   if st.modules_idle:
     proposer, held = None, dict(proposer=s.proposer, deferred=s.deferred)
-  elif s.deferred is not None and not st.may_catch_up and not defers(st.verify_width, st.num_drafts):
+  elif s.deferred is not None and (st.deeper_idle or not st.may_catch_up and
+                                   not defers(st.verify_width, st.num_drafts)):
     held, step = dict(deferred=s.deferred), step.replace(deferred_rows=0)
   out = jit_run_for(step, target, proposer, grammar, s.set(**dict.fromkeys(held)), max_steps, idx_A, read)
   return out.set(**held)

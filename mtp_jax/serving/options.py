@@ -94,7 +94,11 @@ class StepSettings:
   at 8 slots went to that check), one that defers keeps its rows. modules_idle: no slot the step
   runs drafts (the Engine's calls where every running request verifies no drafts): it verifies
   none and runs no module (the proposer's state and any waiting rows pass through as they came);
-  needs verify_drafts=0.
+  needs verify_drafts=0. deeper_idle: no slot the step runs ever verifies more than verify_drafts
+  = k < num_drafts drafts (each one's draft cap is at most k: a fixed num_drafts, or "auto"
+  capped at admission) and none has rows waiting, so the modules past k do not run (their rows
+  of these slots are never read); without it a step at a width that does not defer runs them
+  over its verified rows (catch_up), as an uncapped slot may verify their drafts later.
   """
 
   num_drafts: int
@@ -111,6 +115,7 @@ class StepSettings:
   deferred_rows: int = 0
   may_catch_up: bool = True
   modules_idle: bool = False
+  deeper_idle: bool = False
 
   def __post_init__(self):
     validate.one_of("acceptance", self.acceptance, ACCEPTANCES)
@@ -124,6 +129,10 @@ class StepSettings:
     if self.modules_idle and self.verify_drafts != 0:
       raise validate.InvalidValue("modules_idle", f"modules_idle=True (no module runs) verifies no drafts: it "
                                                   f"needs verify_drafts=0, got {self.verify_drafts}")
+    if self.deeper_idle and (self.tree is not None or self.verify_width >= self.num_drafts):
+      raise validate.InvalidValue("deeper_idle", f"deeper_idle=True idles the modules past the verify width: it "
+                                                 f"needs a chain and verify_drafts < num_drafts={self.num_drafts}, "
+                                                 f"got {self.verify_drafts}")
     validate.integer("deferred_rows", self.deferred_rows, 0)
     if self.deferred_rows and (self.tree is not None or self.relaxed is not None or not self.num_drafts):
       raise validate.InvalidValue("deferred_rows", "deferred_rows defers a chain's modules: it needs num_drafts > 0, "

@@ -61,8 +61,9 @@ class DraftPolicy:
   built a program (traced, then compiled or read it from a cache) is not a sample. So a step
   drafts like k = K where drafts pay (few requests, high acceptance) and less, down to 0, where
   the wider target forward costs more than the tokens it wins (many requests, low acceptance).
-  Where a deferring width, its catch-ups left out, beats every width with them counted, requests
-  admitted there are capped at it for life (`cap`): their rows never wait, so they pay none.
+  Where a width c < K with the deeper modules idle (timed apart: `capped_seconds`) beats every
+  width as it runs for uncapped requests (catch-ups counted), requests admitted there are capped
+  at c for life (`cap`): the deeper modules get none of their rows, so they pay for none.
   Both measurements belong to the models, batch size and machine, not to one engine: an engine
   built again can start from them
   (`Engine(draft_policy=)`).
@@ -94,6 +95,9 @@ class DraftPolicy:
   timed_at: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> `recorded` at its latest sample
   steps_at: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> steps run there, all told
   catch_up_seconds: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> catch-up time charged to it
+  # (k, bucket) -> recent calls' (seconds, steps) at k < K whose requests were all capped at k or
+  # under: the deeper modules idle (`StepSettings.deeper_idle`); `cap` weighs these, `choose` not.
+  capped_seconds: dict = dataclasses.field(default_factory=dict)
   # A width every call runs while set, its requests uncapped and drafting (`calibrate` times a
   # deferring width with rows waiting, so its catch-ups are charged), whatever was measured.
   held: int | None = None
@@ -188,19 +192,23 @@ class DraftPolicy:
 
   def cap(self, num_running: int) -> int:
     """The most drafts a drafting request admitted now, with num_running requests running, may
-    ever verify: a width c that defers the deeper modules (`defers`) where c at its time per step
-    without catch-up charges gives more tokens per second than any width at its charged time
-    (`step_seconds`), else K. A request capped at c keeps no rows for the deeper modules (they are
-    never read for it), so its slot never pays a catch-up, nor those modules' prefill; measured
-    on the trained large demo with 4 slots, an engine held at width 1 ran at 0.91x a fixed k = 1
-    engine while it kept them. Only widths timed at the bucket (not estimated) are weighed."""
+    ever verify: a width c < K where c with the deeper modules idle (its `capped_seconds`; a width
+    that defers, not timed so: its time per step without catch-up charges) gives more tokens per
+    second than any width as uncapped requests run it (`step_seconds`), else K. A request capped
+    at c keeps no rows for the deeper modules (they are never read for it), so its slot never
+    pays their catch-up, nor their prefill; measured on the trained large demo with 4 slots, an
+    engine held at width 1 ran at 0.91x a fixed k = 1 engine while it kept them. Only widths timed
+    at the bucket (not estimated) are weighed."""
     b, k = self.bucket(num_running), self.max_drafts
     if self.held is not None or self._untried(b) is not None:
       return k
     gain = self._gains(b, [1.0] * num_running)
     rate = self.rates()
-    capped = {c: num_running * (1 + sum(rate[:c])) / self._median(c, b)
-              for c in range(1, k + 1) if defers(c, k) and self.seconds.get((c, b))}
+    capped = {}
+    for c in range(1, k):
+      samples = self.capped_seconds.get((c, b)) or (self.seconds.get((c, b)) if defers(c, k) else None)
+      if samples:
+        capped[c] = num_running * (1 + sum(rate[:c])) / _median(samples)
     best = max(capped, key=capped.get, default=None)
     return best if best is not None and capped[best] > max(gain.values()) else k
 
@@ -270,17 +278,16 @@ class DraftPolicy:
     return self._median(k, bucket) + charged / max(1, self.steps_at.get((k, bucket), 0))
 
   def _median(self, k: int, bucket: int) -> float:
-    per_step = sorted((s / n, n) for s, n in self.seconds[(k, bucket)])
-    steps = np.cumsum([n for _, n in per_step])
-    return per_step[int(np.searchsorted(steps, steps[-1] / 2))][0]
+    return _median(self.seconds[(k, bucket)])
 
   def to_json(self) -> str:
     """The measurements as JSON (`from_json` reads them back): a policy measured once on a machine
     (`Engine.calibrate`) serves later engines on the same models and machine."""
-    seconds = [[k, b, [list(x) for x in samples]] for (k, b), samples in sorted(self.seconds.items())]
+    listed = lambda table: [[k, b, [list(x) for x in samples]] for (k, b), samples in sorted(table.items())]
     steps = [[k, b, n, self.catch_up_seconds.get((k, b), 0.0)] for (k, b), n in sorted(self.steps_at.items())]
-    return json.dumps(dict(max_drafts=self.max_drafts, seconds=seconds, accepted_at=self.accepted_at.tolist(),
-                           proposed_at=self.proposed_at.tolist(), steps_at=steps))
+    return json.dumps(dict(max_drafts=self.max_drafts, seconds=listed(self.seconds), steps_at=steps,
+                           capped=listed(self.capped_seconds), accepted_at=self.accepted_at.tolist(),
+                           proposed_at=self.proposed_at.tolist()))
 
   @classmethod
   def from_json(cls, text: str) -> "DraftPolicy":
@@ -289,9 +296,10 @@ class DraftPolicy:
       d = json.loads(text)
       policy = cls(int(d["max_drafts"]), accepted_at=np.asarray(d["accepted_at"], np.int64),
                    proposed_at=np.asarray(d["proposed_at"], np.int64))
-      for k, b, samples in d["seconds"]:
-        for seconds, steps in samples:
-          policy.seconds.setdefault((int(k), int(b)), collections.deque(maxlen=16)).append((float(seconds), int(steps)))
+      for table, rows in ((policy.seconds, d["seconds"]), (policy.capped_seconds, d.get("capped", []))):
+        for k, b, samples in rows:  # no "capped" in files written before capped calls were timed apart
+          for seconds, steps in samples:
+            table.setdefault((int(k), int(b)), collections.deque(maxlen=16)).append((float(seconds), int(steps)))
       for k, b, steps, charged in d.get("steps_at", []):  # absent from files written before catch-ups were charged
         policy.steps_at[(int(k), int(b))], policy.catch_up_seconds[(int(k), int(b))] = int(steps), float(charged)
     except (ValueError, KeyError, TypeError) as e:
@@ -301,14 +309,20 @@ class DraftPolicy:
                        "counts each")
     return policy
 
-  def record(self, k: int, num_running: int, seconds: float, steps: int = 1, catch_up_of: int | None = None) -> None:
+  def record(self, k: int, num_running: int, seconds: float, steps: int = 1, catch_up_of: int | None = None,
+             capped: bool = False) -> None:
     """One timing sample: a call of `steps` decode steps at width k with num_running requests took
-    seconds. catch_up_of: the narrowest width whose waiting rows the call's modules caught up on
+    seconds. capped: its requests were all capped at k or under, so the deeper modules idled
+    (`StepSettings.deeper_idle`): a sample of `capped_seconds`, which only `cap` reads.
+    catch_up_of: the narrowest width whose waiting rows the call's modules caught up on
     (None: it ran no catch-up). Such a call is no sample of k: its time past `steps` steps at k
     (`step_seconds`) is charged to width catch_up_of at this bucket, where it adds that charge
     over the steps it ran there to its time per step (a width that defers pays its catch-ups, the
     wider width a catch-up falls in does not; with k not timed here yet, the call is dropped)."""
     key = (k, self.bucket(num_running))
+    if capped:
+      self.capped_seconds.setdefault(key, collections.deque(maxlen=16)).append((seconds, steps))
+      return
     self.steps_at[key] = self.steps_at.get(key, 0) + steps
     if catch_up_of is not None:
       if self.seconds.get(key):
@@ -325,3 +339,10 @@ class DraftPolicy:
     accepted / verified since the last call."""
     self.accepted_at = self.accepted_at + np.asarray(accepted_at, np.int64)
     self.proposed_at = self.proposed_at + np.asarray(proposed_at, np.int64)
+
+
+def _median(samples) -> float:
+  """The median seconds per step of samples ((seconds, steps) each), each weighing its steps."""
+  per_step = sorted((s / n, n) for s, n in samples)
+  steps = np.cumsum([n for _, n in per_step])
+  return per_step[int(np.searchsorted(steps, steps[-1] / 2))][0]

@@ -335,11 +335,11 @@ class DecodeStep:
     # A slot that verifies no drafts (num_drafts 0: a fixed 0, or "auto" admitted where drafts do
     # not pay) never needs its modules' rows, so they get none.
     num_new = jnp.where(s2.done | (s.slots.num_drafts == 0), 0, a_B + 1)
-    def draft(pstate, hid, tokens, num_new, lagging=False):
+    def draft(pstate, hid, tokens, num_new, lagging=st.deeper_idle):
       return self.drafter.draft(proposer, grammar, pstate, hid, tokens, num_new, s2.grammar_state, s2.slots,
                                 s2.num_out, read, lagging)
-    deferred = s.deferred
-    if deferred is None or not (st.may_catch_up or defers(k, self.drafter.num_drafts)):
+    deferred = s.deferred  # with deeper_idle no slot waits or will read the deeper modules: they lag
+    if st.deeper_idle or deferred is None or not (st.may_catch_up or defers(k, self.drafter.num_drafts)):
       drafts, tree_probs, pstate = _draft_unless_idle(draft, pstate, hid, new_BxK1, num_new)
     else:
       # A slot capped at most at k (num_drafts <= k) never verifies a deeper module's draft: its
