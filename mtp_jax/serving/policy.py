@@ -280,7 +280,7 @@ class DraftPolicy:
 
   def _median(self, k: int, bucket: int) -> float:
     # Kept until k's next sample there: each call's width weighs every width at its bucket a few
-    # times (0.5 ms of host time a call at 8 slots when each sorted its samples anew).
+    # times (under cProfile, at 8 slots, the width choice took 0.5 ms a call sorting anew, 0.4 kept).
     median = self._medians.get((k, bucket))
     if median is None:
       median = self._medians[(k, bucket)] = _median(self.seconds[(k, bucket)])
