@@ -62,8 +62,8 @@ class DraftPolicy:
   drafts like k = K where drafts pay (few requests, high acceptance) and less, down to 0, where
   the wider target forward costs more than the tokens it wins (many requests, low acceptance).
   Where a width c < K with the deeper modules idle (timed apart: `capped_seconds`) beats every
-  width as it runs for uncapped requests (catch-ups counted) by CAP_MARGIN, requests admitted
-  there are capped at c for life (`cap`): the deeper modules get none of their rows, so they pay for none.
+  width as it runs for uncapped requests (catch-ups counted), requests admitted there are capped
+  at c for life (`cap`): the deeper modules get none of their rows, so they pay for none.
   Both measurements belong to the models, batch size and machine, not to one engine: an engine
   built again can start from them
   (`Engine(draft_policy=)`).
@@ -82,11 +82,6 @@ class DraftPolicy:
   TURN_EVERY: typing.ClassVar[int] = 8  # calls at a bucket between turns of a runner-up within TURN_WITHIN
   TURN_WITHIN: typing.ClassVar[float] = 0.95  # of the best width's gain
   RETIME_WITHIN: typing.ClassVar[float] = 0.6  # of the best width's gain: widths worth timing again
-  # A cap binds a request for life, on medians that move by a tenth from one pass of a stream to
-  # the next (the trained large demo at 8 slots: width 1 capped, 15.6 ms a step when calibrated,
-  # 19-27 ms in traffic), so it needs a clear win: caps on noise flipped a kept policy's requests
-  # between widths 1, 2 and 3 from pass to pass.
-  CAP_MARGIN: typing.ClassVar[float] = 1.05  # of the best uncapped width's gain
 
   max_drafts: int
   seconds: dict = dataclasses.field(default_factory=dict)  # (k, bucket) -> recent calls' (seconds, steps)
@@ -199,8 +194,8 @@ class DraftPolicy:
   def cap(self, num_running: int) -> int:
     """The most drafts a drafting request admitted now, with num_running requests running, may
     ever verify: a width c < K where c with the deeper modules idle (its `capped_seconds`; a width
-    that defers, not timed so: its time per step without catch-up charges) gives CAP_MARGIN times
-    the tokens per second of any width as uncapped requests run it (`step_seconds`), or more; else K. A request capped
+    that defers, not timed so: its time per step without catch-up charges) gives more tokens per
+    second than any width as uncapped requests run it (`step_seconds`), else K. A request capped
     at c keeps no rows for the deeper modules (they are never read for it), so its slot never
     pays their catch-up, nor their prefill; measured on the trained large demo with 4 slots, an
     engine held at width 1 ran at 0.91x a fixed k = 1 engine while it kept them. Only widths timed
@@ -216,7 +211,7 @@ class DraftPolicy:
       if samples:
         capped[c] = num_running * (1 + sum(rate[:c])) / _median(samples)
     best = max(capped, key=capped.get, default=None)
-    return best if best is not None and capped[best] > self.CAP_MARGIN * max(gain.values()) else k
+    return best if best is not None and capped[best] > max(gain.values()) else k
 
   def _untried(self, bucket: int) -> int | None:
     """A width the bucket has to try before widths can be compared there (None: none): the widest
