@@ -57,6 +57,16 @@ def test_paired_ratio_is_the_median_of_same_round_ratios():
   assert serve_bench.paired(fast, dict(walls=[3.0, 1.2, 3.3]), np.min) == pytest.approx(0.8)
 
 
+def test_paired_interval_is_order_statistics_of_round_ratios():
+  base = dict(walls=[1.0] * 7)
+  r = dict(walls=[1 / x for x in (0.9, 1.3, 1.0, 0.8, 1.1, 1.2, 0.95)])  # ratios, sorted: .8 .9 .95 1 1.1 1.2 1.3
+  lo, hi, cover = serve_bench.paired_interval(r, base)
+  assert (lo, hi) == pytest.approx((0.9, 1.2)) and cover == pytest.approx(1 - 2 * 8 / 128)  # j = 2 of 7
+  lo, hi, cover = serve_bench.paired_interval(dict(walls=[1.0, 0.5, 2.0]), dict(walls=[1.0] * 3))
+  assert (lo, hi, cover) == pytest.approx((0.5, 2.0, 0.75))  # too few rounds for 85%: the extremes
+  assert lo <= serve_bench.paired(dict(walls=[1.0, 0.5, 2.0]), dict(walls=[1.0] * 3)) <= hi
+
+
 def test_scripts_start_from_a_checkout():
   proc = subprocess.run([sys.executable, "-c", _RUN_AS_MAIN, *(str(BENCH / s) for s in SCRIPTS)],
                         capture_output=True, text=True, timeout=300, cwd="/")
