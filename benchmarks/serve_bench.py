@@ -19,7 +19,9 @@ Part 2, the trained and the random model: the Engine's tokens/s against max_batc
 proposer), 1..K and "auto" (a new policy each pass, which measures as it goes, and a policy
 calibrated before the stream, as in part 1, and kept), each over a stream of 4 x max_batch
 requests of 112 tokens, at least 30 decode calls at k = K, with the cell's ITL p50 / p99, TTFT
-p50 / p99 and decode calls
+p50 / p99 and decode calls (in all and at each verify width: which programs a cell ran); a
+second k = 0 engine, run last in each round, against the first gives the ratio two passes of one
+configuration show, the floor under every other paired ratio
 (`--json PATH` writes every cell; `plots.py` draws tokens/s against max_batch from it).
 
 All greedy. Each configuration runs until a pass compiles nothing (a long-running server compiles
@@ -111,7 +113,7 @@ def _engine_pass(target, proposer, requests, opts, num_drafts, max_batch, policy
   m = engine.metrics()
   return dict(wall=wall, out=[out[i] for i in ids], ttft=[r.first_token_at - t0 for r in reqs],
               itl=(m["itl_seconds_p50"], m["itl_seconds_p99"]), last=[r.finished_at - t0 for r in reqs],
-              accepted=m["mean_accepted_length"], calls=m["steps_total"])
+              accepted=m["mean_accepted_length"], calls=m["steps_total"], at_width=m["steps_at_width"])
 
 
 def _generate_pass(target, proposer, requests, max_batch):
@@ -227,12 +229,13 @@ def _batch_table(name, target, proposer, opts, k, cells, models):
   widths = [("0", None, None)] + [(str(w), proposer, w) for w in range(1, k + 1)] + [
       ("auto", proposer, "auto"), ("auto, calibrated", proposer, "calibrated")]
   n_fixed = k + 1
+  control = ("0", None, None)  # k=0 again, last in each round: how far two passes of one configuration differ
   print(f"\n## {name}: Engine tokens/s against max_batch ({opts['table_requests']} x max_batch requests of "
         f"{opts['table_output']} tokens, prompts as above)\n")
   print("| max_batch | " + " | ".join(w if w.startswith("auto") else f"k={w}" for w, _, _ in widths) +
         " | auto / calibrated vs best fixed k | paired | calibrated vs best fixed, paired interval"
-        " | calibrated vs k=0, paired (interval) |")
-  print("|---" * (len(widths) + 5) + "|")
+        " | calibrated vs k=0, paired (interval) | k=0 vs itself, paired (interval) |")
+  print("|---" * (len(widths) + 6) + "|")
   lat = []
   for b in opts["batches"]:
     # Each row compiles its own programs (another batch size); XLA:CPU maps each one's code, and
@@ -244,28 +247,37 @@ def _batch_table(name, target, proposer, opts, k, cells, models):
     run = lambda prop, nd: lambda: _engine_pass(target, prop, requests, opts, "auto" if nd == "calibrated" else nd,
                                                 b, calibrated if nd == "calibrated" else None)
     rates, row = [], []
-    results = _side_by_side([run(prop, nd) for _, prop, nd in widths], opts["passes"], opts["repeats"])
+    *results, again = _side_by_side([run(prop, nd) for _, prop, nd in widths + [control]], opts["passes"],
+                                    opts["repeats"])
     for (label, _, _), r in zip(widths, results):
       rates.append(tokens / r["wall"])
       cell = dict(model=name, max_batch=b, width=label, tokens_per_s=rates[-1], decode_calls=r["calls"],
                   ttft_p50=_q(r["ttft"], .5), ttft_p99=_q(r["ttft"], .99), itl_p50=r["itl"][0], itl_p99=r["itl"][1],
+                  decode_calls_at_width=r["at_width"] + [0] * (k + 1 - len(r["at_width"])),  # k=0: no proposer, K=0
                   pass_tokens_per_s=[tokens / w for w in r["walls"]])
       cells.append(cell)
       row.append(cell)
     best = int(np.argmax(rates[:n_fixed]))
     (lo, hi, cover), (lo0, hi0, _) = (paired_interval(results[-1], results[i]) for i in (best, 0))
+    cell = next(c for c in row if c["width"] == "0")
+    cell["control_pass_tokens_per_s"] = [tokens / w for w in again["walls"]]
+    lo_aa, hi_aa, _ = paired_interval(again, results[0])
     print(f"| {b} | " + " | ".join(f"{r:.1f}" for r in rates) + f" | {rates[-2] / rates[best]:.2f}x / "
           f"{rates[-1] / rates[best]:.2f}x | {paired(results[-2], results[best]):.2f}x / "
           f"{paired(results[-1], results[best]):.2f}x | {lo:.2f}x-{hi:.2f}x ({cover:.0%}) | "
-          f"{paired(results[-1], results[0]):.2f}x ({lo0:.2f}x-{hi0:.2f}x) |", flush=True)
+          f"{paired(results[-1], results[0]):.2f}x ({lo0:.2f}x-{hi0:.2f}x) | "
+          f"{paired(again, results[0]):.2f}x ({lo_aa:.2f}x-{hi_aa:.2f}x) |", flush=True)
     lat.append(row)
   print("\nintervals (`paired_interval`): order statistics of the rounds' ratios, which hold the median ratio with "
-        "the probability given (the same for both interval columns)")
-  print("\n| max_batch | width | ITL p50 / p99 ms | TTFT p50 / p99 s | decode calls |\n|---|---|---|---|---|")
+        "the probability given (the same for every interval column); k=0 vs itself: a second k=0 engine, run "
+        "last in each round, against the first (a ratio of 1 up to the machine's noise)")
+  print(f"\n| max_batch | width | ITL p50 / p99 ms | TTFT p50 / p99 s | decode calls | at width "
+        f"{' / '.join(map(str, range(k + 1)))} |\n|---|---|---|---|---|---|")
   for row in lat:
     for c in row:
       print(f"| {c['max_batch']} | {c['width']} | {1e3 * c['itl_p50']:.1f} / {1e3 * c['itl_p99']:.1f} | "
-            f"{c['ttft_p50']:.2f} / {c['ttft_p99']:.2f} | {c['decode_calls']} |")
+            f"{c['ttft_p50']:.2f} / {c['ttft_p99']:.2f} | {c['decode_calls']} | "
+            f"{' / '.join(map(str, c['decode_calls_at_width']))} |")
 
 
 def main(argv=None) -> None:

@@ -140,6 +140,9 @@ def test_metrics_deadlines_and_a_bounded_queue_return_every_page():
   text = mtp_jax.serving.prometheus_text(m)
   assert "# TYPE mtp_jax_requests_finished_total counter\nmtp_jax_requests_finished_total 1\n" in text
   assert 'mtp_jax_drafts_accepted_at{position="1"} ' in text and 'mtp_jax_ttft_seconds{quantile="0.99"}' in text
+  assert m["steps_at_width"] == [0] * K + [m["steps_total"]]  # a fixed k=K engine verifies K drafts a call
+  assert 'mtp_jax_steps_at_width{width="0"} 0\n' in text
+  assert f'mtp_jax_steps_at_width{{width="{K}"}} {m["steps_total"]}\n' in text
   # An ended request's record can go (a server keeps only live ones); the counters keep it.
   assert m["requests_recorded"] == 3  # the one the full queue refused was never recorded
   assert engine.forget(done).tokens == _alone((1, 2, 3))[:12] and done not in engine.requests
@@ -448,6 +451,8 @@ def test_auto_width_changes_and_greedy_output_stays_exact():
     engine.step()
     widths.add(engine.metrics()["verify_width"])
   assert len(widths) >= 2 and widths <= set(range(K + 1))
+  at_width = engine.metrics()["steps_at_width"]  # every call counted once, at the width it verified
+  assert sum(at_width) == engine.metrics()["steps_total"] and {k for k, n in enumerate(at_width) if n} == widths
   for rid in ids:
     assert engine.requests[rid].tokens == _alone(tuple(engine.requests[rid].prompt))[:20]
   m = engine.metrics()

@@ -255,8 +255,7 @@ class Engine:
     if self.policy is not None and steps and programs_built() == traces:  # else it built a program
       of = None if self._catch_ups == catch_ups else min(k, narrowest) if rows else k  # whose rows caught up
       self.policy.record(k, running, now - t1, steps, of, capped=step.settings.deeper_idle)
-    self.tally.calls += 1
-    self.tally.call_seconds += now - t0
+    self.tally.called(k, now - t0)
     return gained
 
   def calibrate(self, *, calls: int = 3, prompt_len: int = 16) -> DraftPolicy:

@@ -15,6 +15,8 @@ import math
 import numpy as np
 
 QUANTILES = (0.5, 0.9, 0.99)
+# A list metric's label and the label of its first entry (others: `position`, from 1).
+LIST_LABELS = {"steps_at_width": ("width", 0)}
 
 # name -> (Prometheus type, help); names ending in _seconds_p50 etc. are quantiles of a summary.
 DESCRIPTIONS = {
@@ -36,6 +38,7 @@ DESCRIPTIONS = {
     "pages_total": ("gauge", "Pages in the target's pool."),
     "cache_bytes": ("gauge", "Bytes of the target's and the proposer's KV caches."),
     "steps_total": ("counter", "Engine.step() calls that ran the device (each up to steps_per_call decode steps)."),
+    "steps_at_width": ("counter", "Such calls at each verify width (drafts a step verified, 0..K)."),
     "step_seconds_mean": ("gauge", "Mean wall time of such a call (host round trip included)."),
     "ttft_seconds": ("summary", "Time from add_request to the first token."),
     "itl_seconds": ("summary", "Time between a request's tokens (a step's tokens share its gap)."),
@@ -65,8 +68,9 @@ class Tally:
   """An engine's host-side counters, kept as requests end so forgotten requests still count.
 
   ended: ended requests by status; accepted_at / proposed_at int64[K]: verify steps whose draft i
-  was accepted / verified, as last read from the device (cumulative); acceptance: each ended
-  request's drafts accepted over drafts verified (`request_ended`).
+  was accepted / verified, as last read from the device (cumulative); at_width int64[K + 1]: the
+  calls (`called`) that verified each width; acceptance: each ended request's drafts accepted over
+  drafts verified (`request_ended`).
   """
 
   max_drafts: int
@@ -80,16 +84,25 @@ class Tally:
   ended: collections.Counter = dataclasses.field(default_factory=collections.Counter)
   accepted_at: np.ndarray | None = None
   proposed_at: np.ndarray | None = None
+  at_width: np.ndarray | None = None
 
   def __post_init__(self):
     if self.accepted_at is None:
       self.accepted_at = np.zeros((self.max_drafts,), np.int64)
     if self.proposed_at is None:
       self.proposed_at = np.zeros((self.max_drafts,), np.int64)
+    if self.at_width is None:
+      self.at_width = np.zeros((self.max_drafts + 1,), np.int64)
 
   def copy(self) -> "Tally":
     """A deep copy (a snapshot to restore: `Engine.calibrate` leaves the metrics as they were)."""
     return copy.deepcopy(self)
+
+  def called(self, width: int, seconds: float) -> None:
+    """A call that ran the device took `seconds` (host round trip included), verifying `width` drafts a step."""
+    self.calls += 1
+    self.call_seconds += seconds
+    self.at_width[width] += 1
 
   def request_ended(self, status: str, drafts_verified: int, drafts_accepted: int) -> None:
     """A request ended with `status` after drafts_verified drafts were verified, drafts_accepted accepted."""
@@ -118,7 +131,8 @@ class Tally:
         drafts_proposed_at=self.proposed_at.tolist(), drafts_accepted_total=accepted,
         drafts_accepted_at=self.accepted_at.tolist(),
         mean_accepted_length=(accepted / self.verify_steps + 1) if self.verify_steps else math.nan,
-        steps_total=self.calls, step_seconds_mean=self.call_seconds / self.calls if self.calls else math.nan,
+        steps_total=self.calls, steps_at_width=self.at_width.tolist(),
+        step_seconds_mean=self.call_seconds / self.calls if self.calls else math.nan,
         **self.ttft.quantiles("ttft_seconds"), **self.itl.quantiles("itl_seconds"),
         **self.acceptance.quantiles("request_acceptance"))
 
@@ -126,8 +140,8 @@ class Tally:
 def prometheus_text(metrics: dict, *, prefix: str = "mtp_jax_") -> str:
   """The Prometheus text exposition format (version 0.0.4) of an `Engine.metrics()` dict.
 
-  Per-position acceptance (`drafts_accepted_at` list) becomes one labelled sample per position;
-  quantiles `X_p50` become a summary `X{quantile="0.5"}`. NaN is written as NaN.
+  A list becomes one labelled sample per entry: `position` from 1 (`drafts_accepted_at`), `width`
+  from 0 (`steps_at_width`); quantiles `X_p50` become a summary `X{quantile="0.5"}`. NaN is written as NaN.
   """
   lines = []
   done = set()
@@ -142,7 +156,8 @@ def prometheus_text(metrics: dict, *, prefix: str = "mtp_jax_") -> str:
       for q in QUANTILES:
         lines.append(f'{name}{{quantile="{q}"}} {_number(metrics[f"{base}_p{round(q * 100)}"])}')
     elif isinstance(value, (list, tuple)):
-      lines += [f'{name}{{position="{i + 1}"}} {_number(v)}' for i, v in enumerate(value)]
+      label, first = LIST_LABELS.get(base, ("position", 1))
+      lines += [f'{name}{{{label}="{i + first}"}} {_number(v)}' for i, v in enumerate(value)]
     else:
       lines.append(f"{name} {_number(value)}")
     done.add(base)
