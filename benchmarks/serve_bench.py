@@ -67,7 +67,7 @@ QUICK = dict(num_requests=6, max_batch=2, prompt_lens=(4, 40), output_lens=(4, 2
              batches=(1, 2), table_output=8, table_requests=2, passes=2, repeats=1)
 
 
-def _requests(n, opts, seed):
+def requests_for(n, opts, seed):
   """n (prompt ids, max_new_tokens): held-out prompts cut to mixed lengths."""
   rng = np.random.default_rng(seed)
   prompts = data.heldout_prompts(n, prompt_len=opts["prompt_lens"][1], seed=seed)
@@ -75,7 +75,7 @@ def _requests(n, opts, seed):
           for p in prompts]
 
 
-def _models(name: str, kind: str):
+def load_models(name: str, kind: str):
   """(target, proposer): the demo `name` trained, or random ones of its shapes."""
   target, proposer, _ = demo_models.load_demo(name=name)
   if kind == "random":
@@ -84,12 +84,12 @@ def _models(name: str, kind: str):
 
 
 def _calibrate_json(name: str, kind: str, max_batch: int, opts) -> str:
-  target, proposer = _models(name, kind)
+  target, proposer = load_models(name, kind)
   return mtp_jax.Engine(target, proposer, max_batch=max_batch, max_len=opts["max_len"],
                         page_size=opts["page_size"]).calibrate().to_json()
 
 
-def _calibrated(name: str, kind: str, max_batch: int, opts) -> mtp_jax.serving.DraftPolicy:
+def calibrated_policy(name: str, kind: str, max_batch: int, opts) -> mtp_jax.serving.DraftPolicy:
   """`Engine.calibrate`'s policy, measured in a child process and read back from its JSON, as a
   server reads a calibration made before it started: calibrating compiles a program per width
   and batch bucket (73 on the large demo at 8 slots) that traffic does not run again, and keeping
@@ -102,7 +102,7 @@ def _q(values, q):
   return float(np.quantile(np.asarray(values), q)) if len(values) else float("nan")
 
 
-def _engine_pass(target, proposer, requests, opts, num_drafts, max_batch, policy=None):
+def engine_pass(target, proposer, requests, opts, num_drafts, max_batch, policy=None):
   engine = mtp_jax.Engine(target, proposer, max_batch=max_batch, max_len=opts["max_len"],
                           page_size=opts["page_size"], num_drafts=num_drafts, draft_policy=policy)
   t0 = time.perf_counter()
@@ -127,10 +127,17 @@ def _generate_pass(target, proposer, requests, max_batch):
   return dict(wall=time.perf_counter() - t0, out=outs, ttft=done_at, last=done_at, itl=None, accepted=None)
 
 
-_COMPILES = []
+COMPILES = []
 jax.monitoring.register_event_duration_secs_listener(
-    lambda event, seconds, **_: _COMPILES.append(seconds) if event == "/jax/core/compile/backend_compile_duration"
+    lambda event, seconds, **_: COMPILES.append(seconds) if event == "/jax/core/compile/backend_compile_duration"
     else None)
+
+
+def clean_pass(fn):
+  """(fn's result, whether the pass compiled nothing)."""
+  before = len(COMPILES)
+  result = fn()
+  return result, len(COMPILES) == before
 
 
 def _side_by_side(fns, max_passes: int, repeats: int) -> list[dict]:
@@ -142,11 +149,6 @@ def _side_by_side(fns, max_passes: int, repeats: int) -> list[dict]:
   depends on its timing (admissions grouped differently, another width under "auto"), so a timed
   pass may still compile: it is run again, up to max_passes more times (with fewer clean passes,
   a note: the median of those, or of the last pass when none)."""
-  def clean_pass(fn):
-    before = len(_COMPILES)
-    result = fn()
-    return result, len(_COMPILES) == before
-
   for fn in fns:
     for _ in range(max_passes):
       if clean_pass(fn)[1]:
@@ -192,14 +194,14 @@ def paired_interval(r, base, cover: float = 0.85) -> tuple[float, float, float]:
 
 
 def _stream_table(name, target, proposer, opts, k, models):
-  requests = _requests(opts["num_requests"], opts, seed=1)
+  requests = requests_for(opts["num_requests"], opts, seed=1)
   tokens = sum(m for _, m in requests)
   b = opts["max_batch"]
   for w in range(k):  # compiles the narrower steps "auto" may pick (k=K is compiled by its own row)
-    _engine_pass(target, proposer, requests, opts, w, b)
+    engine_pass(target, proposer, requests, opts, w, b)
   policy = mtp_jax.serving.DraftPolicy(k)  # kept from one pass to the next, as a long-running server keeps it
-  calibrated = _calibrated(*models, b, opts)  # measured before the stream, then kept
-  engine = lambda prop, nd, pol=None: lambda: _engine_pass(target, prop, requests, opts, nd, b, pol)
+  calibrated = calibrated_policy(*models, b, opts)  # measured before the stream, then kept
+  engine = lambda prop, nd, pol=None: lambda: engine_pass(target, prop, requests, opts, nd, b, pol)
   runs = [("fixed generate batches, k=K", lambda: _generate_pass(target, proposer, requests, b)),
           ('Engine, "auto", measuring from scratch', engine(proposer, "auto")),
           ('Engine, "auto", policy kept', engine(proposer, "auto", policy)),
@@ -241,10 +243,10 @@ def _batch_table(name, target, proposer, opts, k, cells, models):
     # Each row compiles its own programs (another batch size); XLA:CPU maps each one's code, and
     # keeping them all ran this process out of memory maps.
     jax.clear_caches()
-    requests = [(p, opts["table_output"]) for p, _ in _requests(opts["table_requests"] * b, opts, seed=2)]
+    requests = [(p, opts["table_output"]) for p, _ in requests_for(opts["table_requests"] * b, opts, seed=2)]
     tokens = len(requests) * opts["table_output"]
-    calibrated = _calibrated(*models, b, opts)
-    run = lambda prop, nd: lambda: _engine_pass(target, prop, requests, opts, "auto" if nd == "calibrated" else nd,
+    calibrated = calibrated_policy(*models, b, opts)
+    run = lambda prop, nd: lambda: engine_pass(target, prop, requests, opts, "auto" if nd == "calibrated" else nd,
                                                 b, calibrated if nd == "calibrated" else None)
     rates, row = [], []
     *results, again = _side_by_side([run(prop, nd) for _, prop, nd in widths + [control]], opts["passes"],
@@ -295,9 +297,9 @@ def main(argv=None) -> None:
   opts = dict(QUICK if quick else FULL, **({} if args.batches is None else dict(batches=tuple(args.batches))),
               **({} if args.rounds is None else dict(repeats=args.rounds)))
   name = "small" if quick else demo_models.default_demo()
-  target, proposer = _models(name, "trained")
+  target, proposer = load_models(name, "trained")
   k = proposer.cfg.num_modules
-  random_target, random_proposer = _models(name, "random")
+  random_target, random_proposer = load_models(name, "random")
   print(f"# serve_bench ({jax.devices()[0].platform}, {os.cpu_count()} CPUs, load average at start "
         f"{os.getloadavg()[0]:.2f})")
   models = [(f"trained {name} demo", target, proposer, "trained"),

@@ -31,7 +31,7 @@ import vs_transformers  # noqa: E402
 
 SCRIPTS = ("bench_propose.py", "bandwidth.py", "hot_path_ab.py", "scaling.py", "vs_transformers.py", "bench_mla.py",
            "bench_paged.py", "serve_bench.py", "demo_report.py", "bench_fp8.py", "step_breakdown.py",
-           "few_row_dots.py", "serve_http.py", "acceptance.py", "device.py")
+           "few_row_dots.py", "serve_http.py", "acceptance.py", "device.py", "serve_ab.py")
 # Runs each script as __main__ with --help, from "/", in one interpreter (one jax import for all),
 # as `python benchmarks/<script>.py` would.
 _RUN_AS_MAIN = """
