@@ -6,7 +6,7 @@ prompts) for the configurations named, in turns, for many rounds of one pass eac
 rounds that compile every program (a pass that still compiles is reported, not timed). It prints
 each one's median pass, its paired ratio to the first configuration (the median over rounds of
 their ratio within a round) with the quartiles of those ratios, and the decode calls at each verify
-width per pass (`Engine.metrics()["steps_at_width"]`, counted over the timed passes), so two
+width per pass (`Engine.metrics()["steps_at_width"]`, over every pass of the rounds), so two
 configurations that ran the same calls are seen to.
 
 Configurations: k0 (no proposer), k1..kK (fixed num_drafts), auto (a new DraftPolicy each pass),
@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 import serve_bench  # (run from a checkout that is not pip-installed, it puts the checkout on sys.path)
-from serve_bench import calibrated_policy, clean_pass, engine_pass, load_models, requests_for
+from serve_bench import calibrated_policy, calls_at_width, clean_pass, engine_pass, load_models, requests_for
 
 from mtp_jax import demo_models
 
@@ -61,15 +61,18 @@ def main(argv=None) -> None:
       result, clean = clean_pass(run)
       compiled += not clean
       walls[i].append(result["wall"] if clean else float("nan"))
-      at_width[i][tuple(result["at_width"] + [0] * (k + 1 - len(result["at_width"])))] += 1
+      at_width[i][tuple(calls_at_width(result, k))] += 1
   print(f"# serve_ab: {args.model} {name} demo, {b} slots, {len(requests)} requests of {opts['table_output']} tokens, "
         f"{args.rounds} rounds ({time.perf_counter() - t0:.0f} s); passes that compiled (not timed): {compiled}\n")
   print(f"| configuration | median pass s | paired vs {args.configs[0]} | quartiles | calls at width "
         f"{' / '.join(map(str, range(k + 1)))} (passes) |\n|---|---|---|---|---|")
   for i, c in enumerate(args.configs):
     ratios = np.asarray(walls[0]) / np.asarray(walls[i])
-    q1, q2, q3 = np.nanquantile(ratios, [0.25, 0.5, 0.75])
     calls = ", ".join(f"{' / '.join(map(str, w))} ({n})" for w, n in at_width[i].most_common())
+    if np.isnan(ratios).all():  # every pass of c or of the base compiled (more warm-up rounds needed)
+      print(f"| {c} | no round timed both | | | {calls} |")
+      continue
+    q1, q2, q3 = np.nanquantile(ratios, [0.25, 0.5, 0.75])
     print(f"| {c} | {np.nanmedian(walls[i]):.3f} | {q2:.3f}x | {q1:.3f}x-{q3:.3f}x | {calls} |")
 
 

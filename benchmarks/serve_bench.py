@@ -116,6 +116,12 @@ def engine_pass(target, proposer, requests, opts, num_drafts, max_batch, policy=
               accepted=m["mean_accepted_length"], calls=m["steps_total"], at_width=m["steps_at_width"])
 
 
+def calls_at_width(result, k: int) -> list[int]:
+  """An engine_pass result's decode calls at each verify width 0..k (an engine without a proposer
+  counts width 0 alone)."""
+  return result["at_width"] + [0] * (k + 1 - len(result["at_width"]))
+
+
 def _generate_pass(target, proposer, requests, max_batch):
   t0 = time.perf_counter()
   outs, done_at = [], []
@@ -255,8 +261,7 @@ def _batch_table(name, target, proposer, opts, k, cells, models):
       rates.append(tokens / r["wall"])
       cell = dict(model=name, max_batch=b, width=label, tokens_per_s=rates[-1], decode_calls=r["calls"],
                   ttft_p50=_q(r["ttft"], .5), ttft_p99=_q(r["ttft"], .99), itl_p50=r["itl"][0], itl_p99=r["itl"][1],
-                  decode_calls_at_width=r["at_width"] + [0] * (k + 1 - len(r["at_width"])),  # k=0: no proposer, K=0
-                  pass_tokens_per_s=[tokens / w for w in r["walls"]])
+                  decode_calls_at_width=calls_at_width(r, k), pass_tokens_per_s=[tokens / w for w in r["walls"]])
       cells.append(cell)
       row.append(cell)
     best = int(np.argmax(rates[:n_fixed]))
